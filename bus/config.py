@@ -1,0 +1,80 @@
+"""The engine configuration: one frozen tree, validated once, sent to every process.
+
+Option names follow vLLM (`LLM(**kwargs)` and CLI flags share them). Environment
+variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+AttentionBackend = Literal["auto", "triton", "torch"]
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None  # None: the model's own
+    dtype: Dtype = "auto"
+    max_model_len: int | None = None  # None: the model's context length
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # override the computed block count (tests, tuning)
+    seed: int = 0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    attention_backend: AttentionBackend = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    num_threads: int | None = None  # torch intra-op threads in the worker; None: torch's default
+    tensor_parallel_size: int = 1
+
+
+def check_engine_config(cfg: EngineConfig) -> EngineConfig:
+    """Raise ValueError with a message a user can act on; return cfg unchanged."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    bs = cfg.block_size
+    need(bs > 0 and bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}")
+    need(cfg.max_model_len is None or cfg.max_model_len > 0, "max_model_len must be positive")
+    need(
+        cfg.kv_cache_memory is None or cfg.kv_cache_memory > 0,
+        "kv_cache_memory must be a positive number of bytes",
+    )
+    need(
+        0.0 < cfg.gpu_memory_utilization <= 1.0,
+        f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}",
+    )
+    need(cfg.num_kv_blocks is None or cfg.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
+    need(cfg.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
+    need(cfg.max_num_seqs > 0, "max_num_seqs must be positive")
+    need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+    need(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads must be >= 1")
+    return cfg
+
+
+def make_engine_config(**kwargs: object) -> EngineConfig:
+    """Build a config from vLLM-style keyword arguments; unknown names are an error."""
+    known = set(EngineConfig.__struct_fields__)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+    env_model = os.environ.get("PAGEBUS_MODEL")
+    if kwargs.get("model") is None and env_model:
+        kwargs["model"] = env_model
+    try:
+        cfg = msgspec.convert(kwargs, EngineConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"invalid engine option: {e}") from None
+    return check_engine_config(cfg)

@@ -1,0 +1,163 @@
+"""Every type that crosses a component boundary, in one module.
+
+Rules (see README "Wire format"):
+- Only msgspec Structs, enums and unions here; logic lives elsewhere.
+- Every union member has an explicit short tag, so renaming a class never changes the wire.
+- `array_like` Structs are positional: fields are append-only with defaults. Removing or
+  retyping a field bumps PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final[int] = 1
+
+# Ids are plain strings/ints on the wire; the aliases document intent.
+RequestId = str
+BlockId = int
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the client or by a shutdown
+    ERROR = "error"  # rejected or failed; the message says why
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Per-request sampling options, named as vLLM and OpenAI name them.
+
+    Validated by `bus.validation.check_sampling_params`.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+# --------------------------------------------------------------------------- requests
+class AddRequest(msgspec.Struct, kw_only=True, frozen=True, tag="add", tag_field="t"):
+    """A tokenized request entering the scheduler. `params.n` samples share its prompt."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy (vLLM convention)
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, kw_only=True, frozen=True, tag="abort", tag_field="t"):
+    request_ids: list[RequestId]
+
+
+class Shutdown(msgspec.Struct, kw_only=True, frozen=True, tag="shutdown", tag_field="t"):
+    drain: bool = True
+
+
+# ------------------------------------------------------------- scheduler -> worker plan
+class NewSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A sequence the worker has not seen (or sees again after preemption): sent in full once."""
+
+    seq_id: str
+    token_ids: list[int]  # prompt followed by every token generated so far
+    prompt_len: int
+    params: SamplingParams
+    block_ids: list[BlockId]
+    num_computed_tokens: int  # tokens whose KV already sits in block_ids (prefix-cache hits)
+    num_scheduled_tokens: int  # tokens to run this step
+    sample_index: int = 0  # which of the request's n samples; keys the seeded sampler
+
+
+class CachedSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A sequence the worker already holds: only the delta travels."""
+
+    seq_id: str
+    new_block_ids: list[BlockId]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class ExecuteBatch(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="exec", tag_field="t"):
+    """One step plan. A sequence samples a token when its scheduled tokens reach its end."""
+
+    step_id: int
+    new_seqs: list[NewSeq]
+    cached_seqs: list[CachedSeq]
+    finished_seq_ids: list[str]  # the worker drops these (finished, aborted or preempted)
+
+
+# ----------------------------------------------------------------- worker -> scheduler
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Logprob of the sampled token plus the top-N alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the sampled token in the distribution
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class BatchResult(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="result", tag_field="t"):
+    """Sampled tokens of one step, one entry per sequence that reached its end this step."""
+
+    step_id: int
+    seq_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = []  # parallel to seq_ids when any seq asked
+
+
+# ----------------------------------------------------------------- scheduler -> client
+class SeqUpdate(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """New tokens of one sample of one request since the last step."""
+
+    request_id: RequestId
+    sample_index: int
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the stop token id that finished it, if any
+    logprobs: list[TokenLogprobs] = []
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True, frozen=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of usable blocks held by requests
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # tokens found, cumulative
+    num_preemptions: int = 0  # cumulative
+    num_steps: int = 0  # cumulative
+
+
+class StepOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="step", tag_field="t"):
+    """Everything clients learn from one engine step, in one frame."""
+
+    updates: list[SeqUpdate]
+    stats: SchedulerStats | None = None
