@@ -1,8 +1,8 @@
 """Scatter one step's new K and V into their cache slots.
 
-    key/value:       [num_tokens, num_kv_heads, head_dim]
-    k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping:    [num_tokens] int64, slot = block_id * block_size + offset; -1 skips the token
+key/value:       [num_tokens, num_kv_heads, head_dim]
+k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+slot_mapping:    [num_tokens] int64, slot = block_id * block_size + offset; -1 skips the token
 """
 
 from __future__ import annotations

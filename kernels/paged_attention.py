@@ -12,6 +12,8 @@ attends causally to keys 0..that position. GQA: head h reads KV head h // (num_h
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +40,7 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    qlens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    qlens = [b - a for a, b in itertools.pairwise(starts)]
     decode = [i for i, n in enumerate(qlens) if n == 1]
     prefill = [i for i, n in enumerate(qlens) if n > 1]
     if decode:
