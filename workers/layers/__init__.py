@@ -1,0 +1,1 @@
+"""Layers shared by every model: each parameter carries its own `weight_loader`."""

@@ -1,0 +1,15 @@
+"""One file per architecture family; `model_class` picks it from the config."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from workers.model_config import ModelConfig
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    from workers.models.llama import LlamaForCausalLM
+    from workers.models.qwen2 import Qwen2ForCausalLM
+    from workers.models.qwen3 import Qwen3ForCausalLM
+
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}[cfg.family]

@@ -1,0 +1,22 @@
+"""The per-step inputs every layer needs, passed explicitly down the model (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.ops import Ops
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64, sequences concatenated
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    logits_indices: torch.Tensor  # [num_sampling_seqs] int64: rows whose logits are sampled
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, kv_heads, d] x2
+    ops: Ops

@@ -1,0 +1,148 @@
+"""Weights from a GGUF file or an HF directory, as (HF parameter name, tensor) pairs.
+
+Tensors stream one at a time into the model's own parameters (each parameter's
+`weight_loader` knows how to place a checkpoint tensor, e.g. into a fused QKV matrix),
+so peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from workers.model_config import ModelConfig, config_from_gguf, config_from_hf
+
+WeightIter = Iterator[tuple[str, torch.Tensor]]
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def read_config(path: str) -> ModelConfig:
+    if is_gguf(path):
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        return config_from_gguf(_gguf_fields(reader), {t.name for t in reader.tensors}, path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: not a .gguf file and no config.json in it")
+    return config_from_hf(path)
+
+
+def _gguf_fields(reader: object) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, f in reader.fields.items():  # type: ignore[attr-defined]
+        if name.startswith("tokenizer.ggml.") and name not in (
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+        ):
+            continue  # vocab and merges: the tokenizer reads those, not the model
+        try:
+            out[name] = f.contents()
+        except Exception:  # exotic field types we never need
+            continue
+    return out
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotary halves in Q/K rows; undo it so the
+    weights match HF's rotate_half layout."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf(path: str, cfg: ModelConfig) -> WeightIter:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    for t in reader.tensors:
+        m = _GGUF_LAYER_RE.fullmatch(t.name)
+        if t.name in _GGUF_GLOBAL_NAMES:
+            name = _GGUF_GLOBAL_NAMES[t.name]
+        elif m is not None:
+            if m.group(2) not in _GGUF_LAYER_NAMES:
+                continue  # e.g. rope_freqs: derived from the config instead
+            name = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        else:
+            continue
+        # copy: GGUF tensors are read-only mmap views, and mmap reads stall on this VM (FACTS.md)
+        arr = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
+        w = torch.from_numpy(arr)
+        if cfg.family == "llama" and m is not None and m.group(2) in ("attn_q", "attn_k"):
+            w = _unpermute_rope(w, cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads)
+        yield name, w
+
+
+def iter_safetensors(path: str) -> WeightIter:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, name) for name in files]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights found")
+    for file in files:
+        with safe_open(file, framework="pt") as f:  # lazy: one tensor in memory at a time
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: WeightIter) -> None:
+    """Route each checkpoint tensor to its parameter's weight_loader; fail on anything missing."""
+    params = dict(model.named_parameters())
+    remap = getattr(model, "checkpoint_name_map", lambda n: (n, None))
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        if "rotary_emb.inv_freq" in ckpt_name:
+            continue
+        name, shard = remap(ckpt_name)
+        if name is None:
+            continue
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {ckpt_name!r} has no parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", _default_loader)
+        loader(param, tensor, shard)
+        loaded.add(name)
+    tied = getattr(model, "tied_parameter_names", set())
+    missing = set(params) - loaded - tied
+    if missing:
+        raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+
+
+def _default_loader(param: nn.Parameter, w: torch.Tensor, shard: object) -> None:
+    if param.shape != w.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(w.shape)}")
+    param.data.copy_(w)

@@ -1,0 +1,149 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, SmolLM2), in call order.
+
+Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm) are the same decoder with a flag each;
+their files only name the flags. QKV and gate/up are fused; `checkpoint_name_map` routes
+the checkpoint's separate matrices into the fused parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.forward_batch import ForwardBatch
+from workers.layers.linear import Embedding, Linear
+from workers.layers.rotary import build_cos_sin_cache
+from workers.model_config import ModelConfig
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, fb: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return fb.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, {0: cfg.hidden_size})
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim), fb).reshape(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim), fb).reshape(k.shape)
+        q, k = fb.ops.rotary_embedding(fb.positions, q, k, cos_sin)
+        k_cache, v_cache = fb.kv_caches[self.layer_idx]
+        # Every new K/V of the step is written before any attention reads the cache, so a
+        # sequence may attend to blocks another sequence fills in this very step.
+        fb.ops.write_kv_cache(k, v, k_cache, v_cache, fb.slot_mapping)
+        o = fb.ops.paged_attention(
+            q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale
+        )
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size})
+        self.down_proj = Linear(cfg.intermediate_size, {0: cfg.hidden_size})
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.down_proj(fb.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, fb)
+        else:
+            h, residual = self.input_layernorm(x, fb, residual)
+        h = self.self_attn(h, fb, cos_sin)
+        h, residual = self.post_attention_layernorm(h, fb, residual)
+        return self.mlp(h, fb), residual
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(fb.input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, fb, cos_sin)
+        x, _ = self.norm(x, fb, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Model(cfg)
+        self.lm_head = Linear(cfg.hidden_size, {0: cfg.vocab_size})
+        self.tied_parameter_names: set[str] = set()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        max_pos = cfg.max_position
+        self.register_buffer(
+            "cos_sin_cache",
+            build_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False,
+        )
+
+    def checkpoint_name_map(self, name: str) -> tuple[str | None, str | int | None]:
+        """Checkpoint tensor name -> (our parameter name, shard of a fused parameter)."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None, None  # tied: the embedding is the head
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return name, None
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [num_sampling_seqs, vocab] in float32, only for the rows that sample."""
+        hidden = self.model(fb, self.cos_sin_cache)
+        return self.lm_head(hidden[fb.logits_indices]).float()
