@@ -1,0 +1,387 @@
+"""The scheduler: queues, the per-step token budget, prefix caching and preemption.
+
+Pure Python: bus messages in (`AddRequest`, abort ids, `BatchResult`), bus messages out
+(`ExecuteBatch`, `SeqUpdate`). Calls alternate: `schedule()` -> worker runs the batch ->
+`update(batch, result)` -> `schedule()` ...
+
+Each step, running sequences go first (decodes and continuing prefill chunks, in queue
+order), then waiting ones are admitted from the head while budget, seats and blocks last.
+A sequence that cannot get a block preempts the tail of `running` (recompute: it frees
+its blocks and rejoins `waiting`). Both queues are sorted by `Sequence.sort_key`:
+
+    fcfs      (arrival counter, sample index)
+    priority  (priority, arrival_time, arrival counter, sample index)   lower runs first
+
+so the running tail is always the right victim, and under fcfs a preempted sequence
+sorts back in at the front of `waiting`. The shape follows nano-vllm's scheduler; the
+"computed tokens catch up" model (no prefill/decode phases) follows vLLM v1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import os
+
+from bus.config import EngineConfig
+from bus.messages import (
+    AddRequest,
+    BatchResult,
+    CachedSeq,
+    ExecuteBatch,
+    FinishReason,
+    NewSeq,
+    SchedulerStats,
+    SeqUpdate,
+    TokenLogprobs,
+)
+from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.hashing import root_hash
+from scheduler.sequence import SeqStatus, Sequence
+
+_sort_key = operator.attrgetter("sort_key")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_id: int | None,
+        hash_seed: bytes | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.block_pool = BlockPool(num_blocks)
+        # A random root per start: nobody can precompute prompts that collide in our cache.
+        self.root = root_hash(os.urandom(32) if hash_seed is None else hash_seed)
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key; victims come off the tail
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
+        self.live: dict[str, Sequence] = {}  # seq id -> every unfinished sequence
+        self._dropped: list[str] = []  # seq ids the worker must forget; ride the next batch
+        self._in_flight: ExecuteBatch | None = None
+        self._num_arrivals = 0
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._num_queried_tokens = 0
+        self._num_hit_tokens = 0
+
+    # ------------------------------------------------------------------ requests in
+    def add_request(self, req: AddRequest) -> list[SeqUpdate]:
+        """Queue `params.n` samples; [] when admitted, else one ERROR update per sample."""
+        error = self._admission_error(req)
+        if error is not None:
+            return [
+                SeqUpdate(
+                    request_id=req.request_id,
+                    sample_index=i,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    error=error,
+                )
+                for i in range(max(req.params.n, 1))
+            ]
+        self._num_arrivals += 1
+        if self.cfg.scheduling_policy == "priority":
+            base: tuple[float, ...] = (req.priority, req.arrival_time, self._num_arrivals)
+        else:
+            base = (self._num_arrivals,)
+        # Without prefix caching, the request id in the key still lets the n samples share
+        # their prompt (and a preempted sequence find its own blocks), but nothing else hits.
+        extra: tuple[object, ...] = (req.cache_salt,)
+        if not self.cfg.enable_prefix_caching:
+            extra = (req.cache_salt, req.request_id)
+        max_tokens = self._max_tokens(req)
+        seqs = [
+            Sequence(req, i, max_tokens, (*base, i), self.root, extra, self.block_size)
+            for i in range(req.params.n)
+        ]
+        self.requests[req.request_id] = seqs
+        for seq in seqs:
+            self.live[seq.seq_id] = seq
+            bisect.insort(self.waiting, seq, key=_sort_key)
+        return []
+
+    def abort(self, request_ids: list[str]) -> list[SeqUpdate]:
+        """Drop requests now, freeing their blocks; one ABORT update per unfinished sample."""
+        updates = []
+        for rid in request_ids:
+            for seq in self.requests.pop(rid, []):
+                self._release(seq)
+                updates.append(
+                    SeqUpdate(
+                        request_id=rid,
+                        sample_index=seq.sample_index,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ABORT,
+                        num_prompt_tokens=seq.prompt_len,
+                        num_cached_tokens=seq.num_cached_tokens or 0,
+                    )
+                )
+        if updates:
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+            self.waiting = [s for s in self.waiting if s.status is SeqStatus.WAITING]
+        return updates
+
+    def _max_tokens(self, req: AddRequest) -> int:
+        mt = req.params.max_tokens
+        return self.max_model_len - len(req.prompt_token_ids) if mt is None else mt
+
+    def _admission_error(self, req: AddRequest) -> str | None:
+        """Why this request can never run, or None. Rejecting up front avoids deadlock later."""
+        p, limit, n = len(req.prompt_token_ids), self.max_model_len, req.params.n
+        if n < 1:
+            return f"n must be at least 1, got {n}"
+        if p == 0:
+            return "prompt is empty; send at least one token"
+        if req.request_id in self.requests:
+            return f"request_id {req.request_id!r} is already in use by an unfinished request"
+        mt = self._max_tokens(req)
+        if req.params.max_tokens is None and p >= limit:
+            return (
+                f"prompt has {p} tokens, but max_model_len is {limit}; "
+                "shorten the prompt to leave room for at least one generated token"
+            )
+        if mt < 1:
+            return f"max_tokens must be at least 1, got {mt}"
+        if p + mt > limit:
+            return (
+                f"prompt has {p} tokens and max_tokens is {mt}, but max_model_len is {limit}; "
+                "shorten the prompt or lower max_tokens"
+            )
+        bs, usable = self.block_size, self.block_pool.num_usable
+        need = -(-(p + mt) // bs)
+        if need > usable:
+            return (
+                f"prompt has {p} tokens and max_tokens is {mt}, which needs {need} KV blocks of "
+                f"{bs} tokens, but the KV cache has only {usable}; shorten the prompt, lower "
+                "max_tokens or give the KV cache more memory"
+            )
+        return None
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> ExecuteBatch | None:
+        """Plan one step; None when there is nothing to run."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"schedule() called before update() of step {self._in_flight.step_id}")
+        budget = self.cfg.max_num_batched_tokens
+        plan: list[tuple[Sequence, int]] = []
+        preempted = False
+        # Running sequences first: every one holds blocks, so finishing them frees memory.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._grow(seq, n):
+                victim = self.running.pop()  # the tail: lowest priority, latest arrival
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self._commit(seq, n)
+                plan.append((seq, n))
+                budget -= n
+                i += 1
+        # Then waiting ones, strictly from the head so none starves; none after a
+        # preemption, since blocks are short already.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            del self.waiting[0]
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=_sort_key)
+            self._commit(seq, n)
+            plan.append((seq, n))
+            budget -= n
+        return self._build_batch(plan) if plan else None
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Give seq the blocks to hold n more tokens; False when the pool is short."""
+        need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > self.block_pool.num_free:
+            return False
+        seq.blocks.extend(self.block_pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Reuse seq's longest cached prefix and allocate its first chunk; returns the chunk
+        size, or 0 (touching nothing) when the blocks do not fit."""
+        pool = self.block_pool
+        hits = self._cached_prefix(seq)
+        num_hit = len(hits) * self.block_size
+        n = min(seq.num_tokens - num_hit, budget)
+        need = -(-(num_hit + n) // self.block_size) - len(hits)
+        revived = sum(1 for b in hits if b.ref_count == 0)  # hits that leave the free queue
+        if need + revived > pool.num_free:
+            return 0
+        pool.acquire(hits)
+        seq.blocks = hits + pool.allocate(need)
+        seq.num_computed_tokens = num_hit
+        seq.num_registered_blocks = len(hits)
+        if seq.num_cached_tokens is None:  # first admission; a resume recomputes its own work
+            seq.num_cached_tokens = num_hit
+        self._num_queried_tokens += seq.num_tokens
+        self._num_hit_tokens += num_hit
+        return n
+
+    def _cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """Leading full blocks found in the cache, leaving at least one token to compute
+        (the step must produce logits for the last one)."""
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.block_pool.lookup(seq.block_hash(i), seq.block_key(i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _commit(self, seq: Sequence, n: int) -> None:
+        """Register every block this step fills. The worker writes a layer's KV for the whole
+        batch before attending, so a sequence scheduled later in this same step may hit them:
+        that is how the n samples of a request share their prompt."""
+        full = (seq.num_computed_tokens + n) // self.block_size
+        for i in range(seq.num_registered_blocks, full):
+            self.block_pool.register(seq.blocks[i], seq.block_hash(i), seq.block_key(i))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the blocks (tail first) and rejoin waiting by sort key."""
+        self.block_pool.free(reversed(seq.blocks))
+        if seq.known_to_worker:
+            self._dropped.append(seq.seq_id)
+        seq.reset()
+        bisect.insort(self.waiting, seq, key=_sort_key)
+        self._num_preemptions += 1
+
+    def _build_batch(self, plan: list[tuple[Sequence, int]]) -> ExecuteBatch:
+        new_seqs, cached_seqs = [], []
+        for seq, n in plan:
+            if not seq.known_to_worker:
+                new_seqs.append(
+                    NewSeq(
+                        seq_id=seq.seq_id,
+                        token_ids=list(seq.token_ids),
+                        prompt_len=seq.prompt_len,
+                        params=seq.params,
+                        block_ids=[b.block_id for b in seq.blocks],
+                        num_computed_tokens=seq.num_computed_tokens,
+                        num_scheduled_tokens=n,
+                        sample_index=seq.sample_index,
+                    )
+                )
+                seq.known_to_worker = True
+            else:
+                new_ids = [b.block_id for b in seq.blocks[seq.num_sent_blocks :]]
+                cached_seqs.append(CachedSeq(seq.seq_id, new_ids, seq.num_computed_tokens, n))
+            seq.num_sent_blocks = len(seq.blocks)
+        self._num_steps += 1
+        batch = ExecuteBatch(
+            step_id=self._num_steps,
+            new_seqs=new_seqs,
+            cached_seqs=cached_seqs,
+            finished_seq_ids=self._dropped,
+        )
+        self._dropped = []
+        self._in_flight = batch
+        return batch
+
+    # ------------------------------------------------------------------ results in
+    def update(self, batch: ExecuteBatch, result: BatchResult) -> list[SeqUpdate]:
+        """Advance every scheduled sequence, append sampled tokens and finish the stopped."""
+        if self._in_flight is None or batch.step_id != self._in_flight.step_id:
+            raise RuntimeError(f"update() for step {batch.step_id}, which is not the batch in flight")
+        if result.step_id != batch.step_id:
+            raise RuntimeError(f"result of step {result.step_id} given for step {batch.step_id}")
+        self._in_flight = None
+        sampled = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+        updates = []
+        any_finished = False
+        for s in (*batch.new_seqs, *batch.cached_seqs):
+            seq = self.live.get(s.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += s.num_scheduled_tokens
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk short of the end samples nothing
+            i = sampled.get(s.seq_id)
+            if i is None:
+                raise RuntimeError(f"worker sampled no token for {s.seq_id} in step {batch.step_id}")
+            lp = result.logprobs[i] if result.logprobs else None
+            updates.append(self._append_token(seq, result.token_ids[i], lp))
+            any_finished |= seq.status is SeqStatus.FINISHED
+        if any_finished:
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        return updates
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SeqUpdate:
+        seq.token_ids.append(token)
+        reason, stop_token_id = self._check_stop(seq, token)
+        if reason is not None:
+            self._release(seq)
+            samples = self.requests[seq.request_id]
+            samples.remove(seq)
+            if not samples:
+                del self.requests[seq.request_id]
+        return SeqUpdate(
+            request_id=seq.request_id,
+            sample_index=seq.sample_index,
+            new_token_ids=[token],
+            finish_reason=reason,
+            stop_token_id=stop_token_id,
+            logprobs=[lp] if lp is not None else [],
+            num_prompt_tokens=seq.prompt_len,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
+        p = seq.params
+        if seq.num_generated >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return FinishReason.STOP, token
+            if token == self.eos_token_id and not p.ignore_eos:
+                return FinishReason.STOP, None
+        if seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _release(self, seq: Sequence) -> None:
+        """Finish or abort: free blocks tail first (they keep their hashes until evicted)."""
+        self.block_pool.free(reversed(seq.blocks))
+        seq.blocks = []
+        if seq.known_to_worker:
+            self._dropped.append(seq.seq_id)
+            seq.known_to_worker = False
+        seq.status = SeqStatus.FINISHED
+        del self.live[seq.seq_id]
+
+    # ------------------------------------------------------------------ introspection
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free
+
+    def stats(self) -> SchedulerStats:
+        usable, free = self.block_pool.num_usable, self.block_pool.num_free
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=(usable - free) / usable,
+            num_free_blocks=free,
+            num_total_blocks=usable,
+            prefix_cache_queries=self._num_queried_tokens,
+            prefix_cache_hits=self._num_hit_tokens,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+        )
