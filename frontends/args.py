@@ -1,0 +1,61 @@
+"""CLI flags for every engine option, derived from EngineConfig so names never drift:
+field `max_model_len` is flag `--max-model-len`, exactly as vLLM names it."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any
+
+from bus.config import EngineConfig, make_engine_config
+
+_HELP = {
+    "model": "a .gguf file or an HF directory (config.json + safetensors); default: SmolLM2-135M-Instruct",
+    "tokenizer": "tokenizer directory or model file; default: the model's own",
+    "dtype": "auto picks bfloat16 on GPUs and CPUs with AVX-512 BF16, else float32",
+    "kv_cache_memory": "bytes for the KV cache (default 1 GiB on CPU)",
+    "num_kv_blocks": "exact number of KV blocks (overrides the memory budget)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "attention_backend": "auto: Triton on CUDA, torch on CPU",
+}
+
+
+def _scalar_type(annotation: Any) -> tuple[type | None, list[str] | None]:
+    """(python type, choices) of an EngineConfig annotation such as `int | None` or Literal."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(args)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _scalar_type(inner[0])
+    return annotation, None
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    defaults = EngineConfig()
+    for name in EngineConfig.__struct_fields__:
+        flag = "--" + name.replace("_", "-")
+        typ, choices = _scalar_type(hints[name])
+        default = getattr(defaults, name)
+        help_text = _HELP.get(name, "") + (f" (default: {default})" if default is not None else "")
+        if typ is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=typ, choices=choices, default=None, help=help_text)
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn prefix caching off",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Only flags the user gave override the defaults."""
+    given = {
+        n: getattr(args, n) for n in EngineConfig.__struct_fields__ if getattr(args, n, None) is not None
+    }
+    return make_engine_config(**given)

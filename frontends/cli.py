@@ -1,0 +1,95 @@
+"""The `pagebus` command: `generate` now; `serve` and `run-batch` as their frontends land."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from bus.messages import SamplingParams
+from frontends.args import add_engine_args, engine_config_from_args
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from frontends.llm import LLM
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(**_cfg_kwargs(cfg))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        n=args.n,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "outputs": [{"text": o.text, "finish_reason": o.finish_reason} for o in out.outputs],
+                    }
+                )
+            )
+        else:
+            for o in out.outputs:
+                print(f"{prompt}{o.text}" if not args.chat else o.text)
+    return 0
+
+
+def _cfg_kwargs(cfg: object) -> dict[str, object]:
+    import msgspec
+
+    return msgspec.structs.asdict(cfg)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagebus", description="LLM inference and serving engine")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts (arguments, or lines of stdin) and print them")
+    gen.add_argument("prompt", nargs="*")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        # User errors (bad path, unsupported architecture, bad option) end with one clear line.
+        print(f"pagebus: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The in-process Python API, as vLLM users know it:
+
+from frontends import LLM, SamplingParams
+llm = LLM()  # default model: SmolLM2-135M-Instruct
+outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bus.config import EngineConfig, make_engine_config
+from bus.messages import AbortRequest, AddRequest, SamplingParams
+from bus.validation import check_sampling_params
+from frontends.model_files import resolve_model, tokenizer_dir
+from frontends.output_processor import OutputProcessor
+from frontends.outputs import RequestOutput
+from frontends.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        cfg = make_engine_config(model=model, **kwargs)
+        path = resolve_model(cfg.model)
+        self.config: EngineConfig = msgspec_replace(cfg, model=path)
+        self.tokenizer = Tokenizer(tokenizer_dir(cfg.tokenizer or path))
+        from frontends.inproc_engine import InprocEngine
+
+        self.engine = InprocEngine(self.config, path)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            text, token_ids = self._tokenize(prompt)
+            ids.append(self._add(text, token_ids, p, priority[i] if priority else 0))
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs
+        ]
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False), "prompt": t}
+            for t in texts
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------------------ internals
+    def _params_list(
+        self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sp is None:
+            sp = SamplingParams()
+        params = [sp] * n if isinstance(sp, SamplingParams) else list(sp)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        for p in params:
+            check_sampling_params(p, self.engine.vocab_size)
+        return params
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        return None, list(prompt)
+
+    def _add(self, text: str | None, token_ids: list[int], p: SamplingParams, priority: int) -> str:
+        rid = str(next(self._ids))
+        self.outputs.add(rid, text, token_ids, p)
+        self.engine.add(
+            AddRequest(
+                request_id=rid,
+                prompt_token_ids=token_ids,
+                params=p,
+                arrival_time=time.time(),
+                priority=priority,
+            )
+        )
+        return rid
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req", file=sys.stderr)
+        while len(done) < len(ids):
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"engine went idle with {len(ids) - len(done)} requests unfinished")
+            outs, to_abort = self.outputs.process(self.engine.step())
+            if to_abort:
+                self.engine.abort(AbortRequest(request_ids=to_abort))
+            for out in outs:
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def msgspec_replace(cfg: EngineConfig, **changes: Any) -> EngineConfig:
+    import msgspec
+
+    return msgspec.structs.replace(cfg, **changes)

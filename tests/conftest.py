@@ -1,0 +1,47 @@
+"""Shared fixtures: the default model loaded once per session, and the HF oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests share 2 cores with the processes they start; keep BLAS from oversubscribing.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    from frontends.model_files import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(default_model: str):
+    from frontends import LLM
+
+    return LLM(default_model, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(default_model: str):
+    """HF transformers running the same GGUF weights (dequantized by transformers) in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(default_model)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tok
