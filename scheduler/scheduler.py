@@ -43,6 +43,9 @@ _sort_key = operator.attrgetter("sort_key")
 
 
 class Scheduler:
+    """One engine's queues and KV blocks. `num_blocks` comes from the workers (block 0 is
+    reserved); `hash_seed` None draws a random prefix-hash root per start."""
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -91,11 +94,12 @@ class Scheduler:
             base: tuple[float, ...] = (req.priority, req.arrival_time, self._num_arrivals)
         else:
             base = (self._num_arrivals,)
-        # Without prefix caching, the request id in the key still lets the n samples share
-        # their prompt (and a preempted sequence find its own blocks), but nothing else hits.
+        # Without prefix caching, a key unique to this request (its arrival number, which unlike
+        # the request id is never reused) still lets its n samples share the prompt and a
+        # preempted sample find its own blocks, but nothing else ever hits.
         extra: tuple[object, ...] = (req.cache_salt,)
         if not self.cfg.enable_prefix_caching:
-            extra = (req.cache_salt, req.request_id)
+            extra = (req.cache_salt, self._num_arrivals)
         max_tokens = self._max_tokens(req)
         seqs = [
             Sequence(req, i, max_tokens, (*base, i), self.root, extra, self.block_size)
@@ -264,6 +268,8 @@ class Scheduler:
         self._num_preemptions += 1
 
     def _build_batch(self, plan: list[tuple[Sequence, int]]) -> ExecuteBatch:
+        """Full state for sequences the worker does not hold, deltas for the rest. Workers
+        apply `finished_seq_ids` first: a reused request id can be dropped and re-sent at once."""
         new_seqs, cached_seqs = [], []
         for seq, n in plan:
             if not seq.known_to_worker:

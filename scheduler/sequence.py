@@ -22,6 +22,8 @@ class SeqStatus(enum.Enum):
 
 
 class Sequence:
+    """One sample: `seq_id` is f"{request_id}#{sample_index}"."""
+
     __slots__ = (
         "block_hashes",
         "block_size",

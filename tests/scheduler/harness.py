@@ -18,6 +18,7 @@ from bus.config import EngineConfig
 from bus.messages import (
     AddRequest,
     BatchResult,
+    CachedSeq,
     ExecuteBatch,
     FinishReason,
     NewSeq,
@@ -138,6 +139,26 @@ class Outputs:
             if u.finish_reason is not None:
                 self.finish[key] = u.finish_reason
         self.updates.extend(updates)
+
+
+def start(sched: Scheduler) -> tuple[FakeWorker, Outputs]:
+    return FakeWorker(sched.block_size), Outputs()
+
+
+def plan(batch: ExecuteBatch) -> dict[str, tuple[int, int]]:
+    """seq id -> (num_computed_tokens, num_scheduled_tokens)."""
+    seqs = [*batch.new_seqs, *batch.cached_seqs]
+    return {s.seq_id: (s.num_computed_tokens, s.num_scheduled_tokens) for s in seqs}
+
+
+def new_seq(batch: ExecuteBatch, seq_id: str) -> NewSeq:
+    (ns,) = [s for s in batch.new_seqs if s.seq_id == seq_id]
+    return ns
+
+
+def cached_seq(batch: ExecuteBatch, seq_id: str) -> CachedSeq:
+    (cs,) = [s for s in batch.cached_seqs if s.seq_id == seq_id]
+    return cs
 
 
 def step(sched: Scheduler, worker: FakeWorker, out: Outputs) -> ExecuteBatch | None:
