@@ -8,6 +8,10 @@ slot_mapping:    [num_tokens] int64, slot = block_id * block_size + offset; -1 s
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels._cast import cast_rtne
 
 
 def write_kv_cache_ref(
@@ -21,3 +25,77 @@ def write_kv_cache_ref(
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens]
+    num_kv_heads,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    # One program per token: all its KV heads, [HEADS_PAD, HEAD_PAD] at a time.
+    tok = tl.program_id(0).to(tl.int64)
+    # int64: block * stride_kcb overflows int32 on caches with > 2**31 / stride_kcb blocks.
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    block = slot // PAGE_SIZE
+    in_block = slot % PAGE_SIZE
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    # slot -1 (padding, or a token whose KV is already cached) writes nothing; nor does a slot
+    # past the cache, which would corrupt memory.
+    mask = (h[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM) & (slot >= 0) & (slot < num_slots)
+    k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k_dst = block * stride_kcb + in_block * stride_kct + h[:, None] * stride_kch + d[None, :]
+    v_dst = block * stride_vcb + in_block * stride_vct + h[:, None] * stride_vch + d[None, :]
+    # Via fp32: exact between equal dtypes, and rounds (not truncates) fp32 -> bf16.
+    tl.store(k_cache_ptr + k_dst, cast_rtne(k.to(tl.float32), k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_dst, cast_rtne(v.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton version of `write_kv_cache_ref`: same layout, writes k_cache/v_cache in place.
+    key/value may be strided views (e.g. slices of a fused qkv projection)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)}, cache {tuple(k_cache.shape)}")
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache need a contiguous head_dim")
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, num_kv_heads, k_cache.shape[0] * k_cache.shape[1],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+    )  # fmt: skip
