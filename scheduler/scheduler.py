@@ -312,7 +312,8 @@ class Scheduler:
         sampled = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
         updates = []
         any_finished = False
-        for s in (*batch.new_seqs, *batch.cached_seqs):
+        scheduled: list[NewSeq | CachedSeq] = [*batch.new_seqs, *batch.cached_seqs]
+        for s in scheduled:
             seq = self.live.get(s.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -324,7 +325,7 @@ class Scheduler:
                 raise RuntimeError(f"worker sampled no token for {s.seq_id} in step {batch.step_id}")
             lp = result.logprobs[i] if result.logprobs else None
             updates.append(self._append_token(seq, result.token_ids[i], lp))
-            any_finished |= seq.status is SeqStatus.FINISHED
+            any_finished |= updates[-1].finish_reason is not None
         if any_finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return updates
