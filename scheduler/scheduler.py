@@ -112,14 +112,16 @@ class Scheduler:
         return []
 
     def abort(self, request_ids: list[str]) -> list[SeqUpdate]:
-        """Drop requests now, freeing their blocks; one ABORT update per unfinished sample."""
+        """Drop requests now, freeing their blocks; one ABORT update per unfinished sample.
+        An id may also name one sample (`Sequence.seq_id`, "request_id#index"): the frontend
+        ends a single sample that way when it hits a stop string."""
         updates = []
         for rid in request_ids:
-            for seq in self.requests.pop(rid, []):
+            for seq in self._pop_samples(rid):
                 self._release(seq)
                 updates.append(
                     SeqUpdate(
-                        request_id=rid,
+                        request_id=seq.request_id,
                         sample_index=seq.sample_index,
                         new_token_ids=[],
                         finish_reason=FinishReason.ABORT,
@@ -131,6 +133,18 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
             self.waiting = [s for s in self.waiting if s.status is SeqStatus.WAITING]
         return updates
+
+    def _pop_samples(self, some_id: str) -> list[Sequence]:
+        if some_id in self.requests:
+            return self.requests.pop(some_id)
+        seq = self.live.get(some_id)
+        if seq is None:
+            return []
+        samples = self.requests[seq.request_id]
+        samples.remove(seq)
+        if not samples:
+            del self.requests[seq.request_id]
+        return [seq]
 
     def _max_tokens(self, req: AddRequest) -> int:
         mt = req.params.max_tokens

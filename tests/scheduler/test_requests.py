@@ -148,6 +148,22 @@ def test_abort_frees_blocks_at_once_and_drops_the_sequences() -> None:
     assert_pool_whole(sched)
 
 
+def test_abort_of_one_sample_leaves_its_siblings_running() -> None:
+    sched = make_sched(num_blocks=16)
+    worker, out = start(sched)
+    sched.add_request(make_req("a", list(range(1, 10)), n=2, max_tokens=5))
+    step(sched, worker, out)
+    updates = sched.abort(["a#1"])
+    assert [(u.request_id, u.sample_index, u.finish_reason) for u in updates] == [
+        ("a", 1, FinishReason.ABORT)
+    ]
+    assert sched.has_unfinished() and sched.stats().num_running == 1
+    while sched.has_unfinished():
+        step(sched, worker, out)
+    assert sched.abort(["a#0", "a"]) == []
+    assert_pool_whole(sched)
+
+
 def test_results_for_a_sequence_aborted_during_the_step_are_ignored() -> None:
     sched = make_sched()
     worker, out = start(sched)
