@@ -161,3 +161,46 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="st
 
     updates: list[SeqUpdate]
     stats: SchedulerStats | None = None
+
+
+# ------------------------------------------------------------------ process lifecycle
+# Control messages: map-like (kw_only) because they are rare and should read well in a dump.
+class Hello(msgspec.Struct, kw_only=True, frozen=True, tag="hello", tag_field="t"):
+    """Sent by a child as soon as it starts, before any heavy init; a version mismatch is fatal."""
+
+    version: int
+    role: str
+    rank: int
+    pid: int
+
+
+class Ready(msgspec.Struct, kw_only=True, frozen=True, tag="ready", tag_field="t"):
+    """Sent after heavy init; `facts` are post-init values the launcher needs (e.g. num_kv_blocks)."""
+
+    role: str
+    rank: int
+    facts: dict[str, int | float | str] = {}
+
+
+class EngineDead(msgspec.Struct, kw_only=True, frozen=True, tag="dead", tag_field="t"):
+    """The scheduler's last message: every in-flight request fails with `reason`."""
+
+    reason: str
+
+
+class WorkerFailed(msgspec.Struct, kw_only=True, frozen=True, tag="wfail", tag_field="t"):
+    """A worker's last message before it exits non-zero; fatal to the engine (no partial TP)."""
+
+    rank: int
+    reason: str
+
+
+# ------------------------------------------------------------------- channel unions
+# One union (and one typed decoder, see bus.codec) per channel. A union may mix array_like and
+# map-like Structs: msgspec refuses that in one Decoder, so bus.codec splits it in two and picks
+# by the first msgpack byte (array or map); tags stay unique across the whole union.
+ToScheduler = AddRequest | AbortRequest | Shutdown
+FromScheduler = StepOutput | EngineDead
+ToWorker = ExecuteBatch | Shutdown
+FromWorker = BatchResult | WorkerFailed
+Handshake = Hello | Ready
