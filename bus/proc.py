@@ -1,0 +1,280 @@
+"""Process lifecycle for the launcher: spawn, handshake, death monitor, shutdown.
+
+Every child starts in `_child_main`, which, before running its target:
+1. makes the kernel kill it when its parent dies (PR_SET_PDEATHSIG), with a thread watching the
+   parent pid as a fallback, so no orphan keeps holding a GPU or a port;
+2. sets its process title (`pagebus::worker-0`) and a log prefix with role and rank;
+3. logs any exception from the target and exits non-zero.
+
+The child then sends `Hello` at once and `Ready(facts)` after heavy init; `wait_ready` collects them
+while watching every child's sentinel, so a child that dies during start-up fails fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+import msgspec
+import zmq
+
+from bus.codec import Codec
+from bus.messages import PROTOCOL_VERSION, Handshake, Hello, Ready
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(levelname)s [{tag} pid=%(process)d] %(name)s: %(message)s"
+
+Facts = dict[str, int | float | str]
+
+
+class StartupError(RuntimeError):
+    """A child died or stayed silent during start-up; the message names it."""
+
+
+class BusProcess(SpawnProcess):
+    """A spawned child that knows its role and rank, for error messages and titles."""
+
+    def __init__(self, *, role: str, rank: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.role, self.rank = role, rank
+
+    @property
+    def tag(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+
+def spawn(
+    target: Callable[..., object], name: str, role: str, rank: int, args: Sequence[Any] = ()
+) -> BusProcess:
+    """Start `target(*args)` in a fresh interpreter (spawn: no inherited locks, threads or CUDA state).
+
+    `target` must be a module-level function and `args` picklable; pass configs msgspec-encoded and
+    addresses as strings, never live objects. Spawn from a long-lived thread: PR_SET_PDEATHSIG fires
+    when the *thread* that forked the child exits, not only the process.
+    """
+    level = logging.getLogger().getEffectiveLevel()
+    p = BusProcess(
+        role=role,
+        rank=rank,
+        name=name,
+        target=_child_main,
+        args=(target, role, rank, os.getpid(), level, tuple(args)),
+        daemon=False,  # daemonic processes may not have children; the scheduler spawns workers
+    )
+    p.start()
+    return p
+
+
+def _child_main(
+    target: Callable[..., object], role: str, rank: int, parent_pid: int, level: int, args: tuple[Any, ...]
+) -> None:
+    tag = f"{role}-{rank}"
+    install_parent_death_protection(parent_pid)
+    logging.basicConfig(level=level, format=LOG_FORMAT.format(tag=tag), force=True)
+    with contextlib.suppress(ImportError):  # a missing title is cosmetic
+        import setproctitle
+
+        setproctitle.setproctitle(f"pagebus::{tag}")
+    try:
+        target(*args)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            logger.error("%s exiting with status %s", tag, e.code)
+        raise
+    except BaseException:
+        logger.exception("%s failed", tag)
+        raise SystemExit(1) from None
+
+
+def install_parent_death_protection(parent_pid: int) -> None:
+    """Die with the parent: PR_SET_PDEATHSIG on Linux, else (and also) a thread watching the parent."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    try:  # Linux >= 5.3: block until the parent exits, no polling
+        fd = os.pidfd_open(parent_pid)
+        select.select([fd], [], [])
+    except (AttributeError, OSError):
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+    logging.getLogger(__name__).error("parent %d died; exiting", parent_pid)
+    os._exit(1)  # no cleanup can be trusted once the launcher is gone
+
+
+# --------------------------------------------------------------------------- handshake
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        hint = ", likely the OOM killer" if code == -signal.SIGKILL else ""
+        return f"was killed by signal {-code} ({name}{hint}; exit code {code})"
+    return f"exited with code {code}"
+
+
+def wait_ready(
+    handshake_socket: zmq.Socket[Any],
+    procs: Sequence[BusProcess],
+    expected: Iterable[tuple[str, int]],
+    deadline_s: float,
+) -> dict[tuple[str, int], Facts]:
+    """Collect Hello then Ready from every expected (role, rank); return Ready.facts per (role, rank).
+
+    One zmq.Poller watches the handshake socket and every child's sentinel, so a child that dies
+    during start-up (import error, OOM kill during weight load) raises StartupError at once instead
+    of after the deadline. The caller tears the rest down (`shutdown`).
+    """
+    codec = Codec()
+    pending = set(expected)
+    hello: dict[tuple[str, int], Hello] = {}
+    facts: dict[tuple[str, int], Facts] = {}
+    poller = zmq.Poller()
+    poller.register(handshake_socket, zmq.POLLIN)
+    for p in procs:
+        poller.register(p.sentinel, zmq.POLLIN)
+    deadline = time.monotonic() + deadline_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            who = ", ".join(f"{r}-{k}" for r, k in sorted(pending))
+            raise StartupError(f"start-up timed out after {deadline_s:.0f}s waiting for {who}")
+        events = dict(poller.poll(max(1, int(min(left, 1.0) * 1000))))
+        while handshake_socket in events:  # drain: several children may have spoken
+            try:
+                frames = handshake_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = codec.decode([f.buffer for f in frames], Handshake)
+            except msgspec.DecodeError as e:  # e.g. a child from another pagebus version
+                raise StartupError(f"malformed handshake message ({e}): mixed pagebus installs?") from None
+            _on_handshake(msg, hello, facts, pending)
+        _check_alive(procs)  # even a child that is already Ready must not die before the others are
+    return facts
+
+
+def _on_handshake(
+    msg: Hello | Ready,
+    hello: dict[tuple[str, int], Hello],
+    facts: dict[tuple[str, int], Facts],
+    pending: set[tuple[str, int]],
+) -> None:
+    key = (msg.role, msg.rank)
+    if isinstance(msg, Hello):
+        if msg.version != PROTOCOL_VERSION:
+            raise StartupError(
+                f"{msg.role}-{msg.rank} (pid {msg.pid}) speaks bus protocol v{msg.version}, this launcher "
+                f"v{PROTOCOL_VERSION}: mixed pagebus installs? Reinstall so both sides match."
+            )
+        hello[key] = msg
+        logger.debug("hello from %s-%d pid %d", msg.role, msg.rank, msg.pid)
+        return
+    if key not in hello:
+        raise StartupError(f"{msg.role}-{msg.rank} sent Ready before Hello (protocol error)")
+    if key not in pending:
+        logger.warning("unexpected or repeated Ready from %s-%d ignored", msg.role, msg.rank)
+        return
+    pending.discard(key)
+    facts[key] = dict(msg.facts)
+    logger.info("%s-%d ready %s", msg.role, msg.rank, msg.facts)
+
+
+def _check_alive(procs: Sequence[BusProcess]) -> None:
+    for p in procs:
+        if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
+            p.join(1.0)  # the sentinel closes a moment before the child can be reaped
+        if p.exitcode is not None:
+            raise StartupError(
+                f"{p.tag} (pid {p.pid}) {describe_exit(p.exitcode)} during start-up; see the traceback above"
+            )
+
+
+# ----------------------------------------------------------------------------- monitor
+class ProcessMonitor:
+    """A daemon thread that blocks on the children's sentinels and reports each death once.
+
+    Catches deaths that send no message (SIGKILL, the OOM killer). `stop()` before a planned
+    shutdown so that expected exits are not reported.
+    """
+
+    def __init__(self, procs: Sequence[BusProcess], on_death: Callable[[BusProcess], None]) -> None:
+        self._procs = list(procs)
+        self._on_death = on_death
+        self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="proc-monitor", daemon=True)
+
+    def start(self) -> ProcessMonitor:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        alive = {p.sentinel: p for p in self._procs}
+        while alive:
+            ready = multiprocessing.connection.wait([self._stop_r, *alive])
+            if self._stop_r in ready or self._stopped:
+                return
+            for s in ready:
+                p = alive.pop(s)  # type: ignore[call-overload]
+                p.join(1.0)
+                logger.error("%s (pid %s) %s", p.tag, p.pid, describe_exit(p.exitcode))
+                try:
+                    self._on_death(p)
+                except Exception:
+                    logger.exception("process monitor callback failed")
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            self._stop_w.send_bytes(b"x")
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self._stop_r.close()
+        self._stop_w.close()
+
+
+# ----------------------------------------------------------------------------- shutdown
+def shutdown(
+    procs: Sequence[multiprocessing.process.BaseProcess], timeout: float = 10.0, kill_grace_s: float = 2.0
+) -> dict[str, int | None]:
+    """Join every child within `timeout`, then terminate() stragglers, then kill(); exit codes by name.
+
+    The caller sends Shutdown first; this only bounds how long a child may take to obey it.
+    """
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for how in ("terminate", "kill"):  # SIGTERM lets a child flush; SIGKILL cannot be ignored
+        late = [p for p in procs if p.exitcode is None]
+        if not late:
+            break
+        logger.warning("%s %s: did not exit within %.1fs", how, [p.name for p in late], timeout)
+        for p in late:
+            getattr(p, how)()
+        for p in late:
+            p.join(kill_grace_s)
+    return {p.name: p.exitcode for p in procs}
