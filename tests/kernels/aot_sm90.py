@@ -20,7 +20,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels._cast import cast_rtne  # noqa: F401  (imported by the kernels; listed for clarity)
 from kernels.activation import _silu_and_mul_kernel
 from kernels.kv_cache_write import _write_kv_cache_kernel
 from kernels.paged_attention import PagedAttentionOptions, _merge_splits_kernel, _paged_attn_kernel, _tiling
@@ -49,6 +48,7 @@ def _attention_variants() -> dict[str, dict[str, int]]:
     out = {}
     # (name, dtype, num_heads, num_kv_heads, head_dim, max_query_len, splits, num_seqs == 1)
     cases = [
+        ("decode_int64_metadata_bf16", "bf16", 32, 8, 128, 1, 2, False),
         ("decode_llama8b_bf16", "bf16", 32, 8, 128, 1, 1, False),
         ("decode_split_bf16_one_seq", "bf16", 32, 8, 128, 1, 8, True),
         ("prefill_llama8b_bf16", "bf16", 32, 8, 128, 512, 1, False),
@@ -59,9 +59,9 @@ def _attention_variants() -> dict[str, dict[str, int]]:
     for name, dt, h, kvh, hd, max_q, splits, one_seq in cases:
         t = _tiling(PagedAttentionOptions(), h // kvh, hd, max_q, on_gpu=True, fp32=dt == "fp32")
         ptrs = {a: f"*{dt}" for a in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-        ptrs |= {
-            a: "*i32" for a in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "cu_qtiles_ptr")
-        }
+        meta = "*i64" if "int64" in name else "*i32"  # block tables, seq lens, query starts: either
+        ptrs |= {a: meta for a in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+        ptrs |= {"cu_qtiles_ptr": "*i32"}
         ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale_log2": "fp32"}
         consts: dict[str, Any] = dict(
             HEAD_DIM=hd, HEAD_PAD=t.head_pad, GROUP=h // kvh, GROUP_PAD=t.group_pad, BLOCK_M=t.block_m,

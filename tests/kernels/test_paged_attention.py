@@ -57,6 +57,39 @@ def test_prefill_without_context_and_small_tiles() -> None:
     _check(batch, options=PagedAttentionOptions(block_m=16))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches(seed: int) -> None:
+    """Random mixes of every knob: query lengths (0, 1, chunks), contexts, GQA ratio, page size,
+    head_dim, dtype, tiling and splits."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def pick(options: list):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    seqs = []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
+        qlen = pick([0, 1, 1, int(torch.randint(2, 40, (1,), generator=g))])
+        seqs.append((qlen, int(torch.randint(0 if qlen else 1, 300, (1,), generator=g))))
+    if not any(n for n, _ in seqs):
+        seqs.append((1, 7))
+    num_kv_heads, group = pick([1, 2]), pick([1, 2, 3, 4, 8])
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16])
+    batch = make_batch(
+        seqs, num_kv_heads * group, num_kv_heads, pick([32, 64, 96]), pick([8, 16, 32]), dtype, seed=seed
+    )
+    opts = PagedAttentionOptions(
+        num_splits=pick([1, 2, 5]), block_m=pick([None, 16, 32]), block_n=pick([16, 32, 64])
+    )
+    _check(batch, scale=0.2, options=opts)
+
+
+def test_int64_metadata() -> None:
+    batch = make_batch([(1, 20), (7, 9)], 4, 2, 64, seed=10)
+    meta = (batch.block_tables.long(), batch.seq_lens.long(), batch.query_start_loc.long())
+    args = (batch.q, batch.k_cache, batch.v_cache, *meta, 0.1)
+    torch.testing.assert_close(paged_attention(*args), paged_attention_ref(*args), **TOL[torch.float32])
+
+
 def test_head_dim_padding_and_out_buffer() -> None:
     """head_dim 80 pads to 128 lanes; padding tokens past the last sequence are left alone."""
     batch = make_batch([(3, 30), (1, 9)], 4, 2, 80, seed=5)
