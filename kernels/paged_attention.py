@@ -214,10 +214,8 @@ def _paged_attn_kernel(
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
     q_off = tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    # Upcast right after the load: bf16 arithmetic is wrong under the interpreter.
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(
-        tl.float32
-    )  # [BLOCK_M, HEAD_PAD]
+    # [BLOCK_M, HEAD_PAD]; upcast right after the load: bf16 arithmetic is wrong under the interpreter.
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
     # This split's KV range, in whole BLOCK_N steps, cut at the tile's causal horizon.
     steps_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
@@ -330,8 +328,13 @@ def paged_attention(
     out: torch.Tensor | None = None,
     options: PagedAttentionOptions | None = None,
 ) -> torch.Tensor:
-    """Triton version of `paged_attention_ref` (same layout and result). Pass `max_query_len`
-    to avoid a device-to-host read; `out` ([num_tokens, num_heads, head_dim]) to reuse a buffer."""
+    """Triton version of `paged_attention_ref` (same layout and result).
+
+    max_query_len: an upper bound on the query lengths (the tighter, the smaller the tiles) avoids a
+        device-to-host read, so the call can be captured in a CUDA graph. An underestimate
+        leaves query tiles out, silently.
+    out: [num_tokens, num_heads, head_dim] buffer to write into; rows past the last sequence
+        (padding tokens) are left untouched."""
     opts = options or PagedAttentionOptions()
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
