@@ -69,10 +69,10 @@ def _cfg_kwargs(cfg: object) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagebus", description="LLM inference and serving engine")
-    parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts (arguments, or lines of stdin) and print them")
     gen.add_argument("prompt", nargs="*")
+    gen.add_argument("--log-level", default="WARNING")
     add_engine_args(gen)
     _add_sampling_args(gen)
     args = parser.parse_args(argv)

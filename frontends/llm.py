@@ -76,6 +76,26 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # ------------------------------------------------ step-level API (vLLM's LLMEngine)
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0) -> str:
+        """Queue one request; it joins the running batch at the next `step()`."""
+        params = self._params_list(params, 1)[0]
+        text, token_ids = self._tokenize(prompt)
+        return self._add(text, token_ids, params, priority)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine.abort(AbortRequest(request_ids=request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that made progress."""
+        outs, to_abort = self.outputs.process(self.engine.step())
+        if to_abort:
+            self.engine.abort(AbortRequest(request_ids=to_abort))
+        return outs
+
     # ------------------------------------------------------------------ internals
     def _params_list(
         self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -121,10 +141,7 @@ class LLM:
         while len(done) < len(ids):
             if not self.engine.has_unfinished():
                 raise RuntimeError(f"engine went idle with {len(ids) - len(done)} requests unfinished")
-            outs, to_abort = self.outputs.process(self.engine.step())
-            if to_abort:
-                self.engine.abort(AbortRequest(request_ids=to_abort))
-            for out in outs:
+            for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
                     if bar is not None:
