@@ -195,6 +195,78 @@ class WorkerFailed(msgspec.Struct, kw_only=True, frozen=True, tag="wfail", tag_f
     reason: str
 
 
+# ----------------------------------------------------- frontend <-> tokenizer pool
+class ChatMessage(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    role: str
+    content: str | None = None
+    name: str | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True, tag="gen", tag_field="t"):
+    """A request as a frontend sends it: text, token ids or chat messages (exactly one)."""
+
+    request_id: RequestId
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    echo: bool = False  # return the prompt text in the first delta (completions `echo`)
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, frozen=True, tag="tok", tag_field="t"):
+    request_id: RequestId
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, frozen=True, tag="detok", tag_field="t"):
+    request_id: RequestId
+    token_ids: list[int]
+
+
+class SampleDelta(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """What one sample gained in one step, as text and tokens."""
+
+    index: int
+    text_delta: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string
+
+
+class RequestDelta(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    request_id: RequestId
+    samples: list[SampleDelta]
+    finished: bool = False  # every sample finished: no more deltas for this request
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_token_ids: list[int] | None = None  # in the first delta only
+    prompt_text: str | None = None  # in the first delta when `echo` was asked
+    error: str | None = None  # rejected or failed; the message says why (client-safe)
+    error_kind: str | None = None  # "invalid_request" (a 400) | "engine_dead" | "internal"
+
+
+class DeltaBatch(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="deltas", tag_field="t"):
+    """Everything frontends learn from one engine step, in one frame."""
+
+    deltas: list[RequestDelta]
+    stats: SchedulerStats | None = None
+
+
+class TokenizeResult(msgspec.Struct, kw_only=True, frozen=True, tag="tokres", tag_field="t"):
+    request_id: RequestId
+    token_ids: list[int] = []
+    text: str | None = None  # for DetokenizeRequest
+    error: str | None = None
+
+
 # ------------------------------------------------------------------- channel unions
 # One union (and one typed decoder, see bus.codec) per channel. A union may mix array_like and
 # map-like Structs: msgspec refuses that in one Decoder, so bus.codec splits it in two and picks
@@ -204,3 +276,5 @@ FromScheduler = StepOutput | EngineDead
 ToWorker = ExecuteBatch | Shutdown
 FromWorker = BatchResult | WorkerFailed
 Handshake = Hello | Ready
+ToTokenizer = GenerateRequest | TokenizeRequest | DetokenizeRequest | AbortRequest | Shutdown
+FromTokenizer = DeltaBatch | TokenizeResult | EngineDead
