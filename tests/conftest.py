@@ -10,6 +10,17 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cuda_present() -> bool:
+    # Decided without importing torch, which would be too late for TRITON_INTERPRET.
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+# Triton reads TRITON_INTERPRET when kernel modules are imported: without a GPU, every
+# Triton test (kernels and the whole model on the triton backend) runs in the interpreter.
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
