@@ -19,9 +19,17 @@ CHANNELS: dict[str, Any] = {
     "ToWorker": m.ToWorker,
     "FromWorker": m.FromWorker,
     "Handshake": m.Handshake,
+    "ToTokenizer": m.ToTokenizer,
+    "FromTokenizer": m.FromTokenizer,
 }
-# Shutdown is the one message two channels share: the launcher stops schedulers and workers alike.
-SHARED = {m.Shutdown: {"ToScheduler", "ToWorker"}}
+# The messages that deliberately travel on several channels (the "exactly one union" rule's
+# exceptions): Shutdown stops every process kind, an abort enters at the tokenizer pool and is
+# forwarded to the scheduler, and EngineDead is relayed from the scheduler to the frontend.
+SHARED = {
+    m.Shutdown: {"ToScheduler", "ToWorker", "ToTokenizer"},
+    m.AbortRequest: {"ToScheduler", "ToTokenizer"},
+    m.EngineDead: {"FromScheduler", "FromTokenizer"},
+}
 
 PARAMS = m.SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[2], seed=7)
 LP = m.TokenLogprobs(token_id=5, logprob=-0.5, rank=1, top_token_ids=[5, 6], top_logprobs=[-0.5, -1.5])
@@ -48,6 +56,20 @@ SAMPLES: dict[type, Any] = {
     ),
     m.EngineDead: m.EngineDead(reason="worker-0 died"),
     m.WorkerFailed: m.WorkerFailed(rank=1, reason="CUDA OOM"),
+    m.GenerateRequest: m.GenerateRequest(
+        request_id="g1", params=PARAMS, messages=[m.ChatMessage(role="user", content="hi")], echo=True
+    ),
+    m.TokenizeRequest: m.TokenizeRequest(request_id="t1", prompt="hello", add_special_tokens=False),
+    m.DetokenizeRequest: m.DetokenizeRequest(request_id="d1", token_ids=[1, 2]),
+    m.DeltaBatch: m.DeltaBatch(
+        deltas=[
+            m.RequestDelta(
+                "r1", [m.SampleDelta(0, "hi", [42], [LP], m.FinishReason.STOP, "\n")], True, 3, 1, [1, 2, 3]
+            )
+        ],
+        stats=m.SchedulerStats(num_steps=2),
+    ),
+    m.TokenizeResult: m.TokenizeResult(request_id="t1", token_ids=[7, 8]),
 }
 
 # Encoded with bus.codec at PROTOCOL_VERSION 1. Never regenerate these to make a test pass.
@@ -62,6 +84,11 @@ GOLDEN: dict[type, str] = {
     m.Ready: "84a174a57265616479a4726f6c65a6776f726b6572a472616e6b01a5666163747383ad6e756d5f6b765f626c6f636b73cd0200ad6d61785f6d6f64656c5f6c656ecb40a0010000000000a56474797065a462663136",
     m.EngineDead: "82a174a464656164a6726561736f6ead776f726b65722d302064696564",
     m.WorkerFailed: "83a174a5776661696ca472616e6b01a6726561736f6ea843554441204f4f4d",
+    m.GenerateRequest: "8ba174a367656eaa726571756573745f6964a26731a6706172616d73de0004aa6d61785f746f6b656e7308ab74656d7065726174757265cb0000000000000000a47365656407ae73746f705f746f6b656e5f6964739102a670726f6d7074c0b070726f6d70745f746f6b656e5f696473c0a86d657373616765739182a4726f6c65a475736572a7636f6e74656e74a26869b56164645f67656e65726174696f6e5f70726f6d7074c3a87072696f7269747900aa63616368655f73616c74c0ac6172726976616c5f74696d65cb0000000000000000a46563686fc3",
+    m.TokenizeRequest: "86a174a3746f6baa726571756573745f6964a27431a670726f6d7074a568656c6c6fa86d65737361676573c0b26164645f7370656369616c5f746f6b656e73c2b56164645f67656e65726174696f6e5f70726f6d7074c3",
+    m.DetokenizeRequest: "83a174a56465746f6baa726571756573745f6964a26431a9746f6b656e5f696473920102",
+    m.DeltaBatch: "93a664656c7461739199a27231919600a26869912a919505cbbfe00000000000000192050692cbbfe0000000000000cbbff8000000000000a473746f70a10ac3030193010203c0c0c089ab6e756d5f72756e6e696e6700ab6e756d5f77616974696e6700a86b765f7573616765cb0000000000000000af6e756d5f667265655f626c6f636b7300b06e756d5f746f74616c5f626c6f636b7300b47072656669785f63616368655f7175657269657300b17072656669785f63616368655f6869747300af6e756d5f707265656d7074696f6e7300a96e756d5f737465707302",
+    m.TokenizeResult: "85a174a6746f6b726573aa726571756573745f6964a27431a9746f6b656e5f696473920708a474657874c0a56572726f72c0",
 }
 
 
