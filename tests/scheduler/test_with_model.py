@@ -13,7 +13,7 @@ from scheduler.scheduler import Scheduler
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _run(runner, cfg: EngineConfig, prompts: list[list[int]], num_blocks: int | None = None):  # noqa: ANN001, ANN202
+def _run(runner, cfg: EngineConfig, prompts: list[list[int]], num_blocks: int | None = None):
     """Run prompts to completion through a fresh scheduler over the shared runner."""
     sched = Scheduler(cfg, num_blocks or runner.num_blocks, runner.max_model_len, None, hash_seed=b"e2e")
     for i, ids in enumerate(prompts):
@@ -32,19 +32,19 @@ def _run(runner, cfg: EngineConfig, prompts: list[list[int]], num_blocks: int | 
 
 
 @pytest.fixture(scope="module")
-def runner(llm_fp32):  # noqa: ANN001, ANN201
+def runner(llm_fp32):
     return llm_fp32.engine.runner
 
 
 @pytest.fixture(scope="module")
-def system_prompt(llm_fp32) -> list[int]:  # noqa: ANN001
+def system_prompt(llm_fp32) -> list[int]:
     text = " ".join(f"Rule {i}: answer politely and cite sources." for i in range(120))
     ids = llm_fp32.tokenizer.encode(text)[:1000]
     assert len(ids) == 1000
     return ids
 
 
-def test_shared_prefix_computes_only_the_suffix(runner, llm_fp32, system_prompt) -> None:  # noqa: ANN001
+def test_shared_prefix_computes_only_the_suffix(runner, llm_fp32, system_prompt) -> None:
     cfg = msgspec.structs.replace(llm_fp32.config, enable_prefix_caching=True)
     q1 = system_prompt + llm_fp32.tokenizer.encode(" Question: what is 2+2?")
     q2 = system_prompt + llm_fp32.tokenizer.encode(" Question: name a colour.")
@@ -59,7 +59,7 @@ def test_shared_prefix_computes_only_the_suffix(runner, llm_fp32, system_prompt)
     assert (first, second) == (ref1, ref2)
 
 
-def _drive(sched: Scheduler, runner, rid: str, ids: list[int]) -> tuple[list[int], int]:  # noqa: ANN001
+def _drive(sched: Scheduler, runner, rid: str, ids: list[int]) -> tuple[list[int], int]:
     """Run one request to completion; returns its tokens and the tokens the model computed."""
     sched.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, params=PARAMS))
     tokens: list[int] = []
@@ -73,7 +73,7 @@ def _drive(sched: Scheduler, runner, rid: str, ids: list[int]) -> tuple[list[int
     return tokens, computed
 
 
-def test_chunked_prefill_gives_the_same_tokens(runner, llm_fp32, system_prompt) -> None:  # noqa: ANN001
+def test_chunked_prefill_gives_the_same_tokens(runner, llm_fp32, system_prompt) -> None:
     prompts = [system_prompt[:700], system_prompt[100:180], system_prompt[5:30]]
     whole, _, _ = _run(runner, msgspec.structs.replace(llm_fp32.config, max_num_batched_tokens=2048), prompts)
     chunked, _, st = _run(
@@ -83,7 +83,7 @@ def test_chunked_prefill_gives_the_same_tokens(runner, llm_fp32, system_prompt) 
     assert chunked == whole
 
 
-def test_preemption_under_a_tiny_cache_gives_the_same_tokens(runner, llm_fp32, system_prompt) -> None:  # noqa: ANN001
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(runner, llm_fp32, system_prompt) -> None:
     prompts = [system_prompt[i * 40 : i * 40 + 30 + i] for i in range(8)]
     free, _, _ = _run(runner, llm_fp32.config, prompts)
     tight, _, st = _run(runner, llm_fp32.config, prompts, num_blocks=12)
