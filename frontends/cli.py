@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--log-level", default="WARNING")
     add_engine_args(gen)
     _add_sampling_args(gen)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("--log-level", default="INFO")
+    add_engine_args(srv)
+    from frontends.http.options import add_serve_args
+
+    add_serve_args(srv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -84,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from frontends.http.server import main as serve_main
+
+            return serve_main(args)
     except (ValueError, FileNotFoundError) as e:
         # User errors (bad path, unsupported architecture, bad option) end with one clear line.
         print(f"pagebus: error: {e}", file=sys.stderr)

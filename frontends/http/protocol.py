@@ -1,0 +1,284 @@
+"""OpenAI request and response bodies as msgspec Structs, and their mapping onto bus messages.
+
+Unknown fields are ignored (clients send fields we do not use); a wrong type is a 400 that names
+the field. Names follow OpenAI first and accept vLLM's extensions (top_k, min_p, ignore_eos, ...).
+Sampling checks go through `bus.validation.check_sampling_params`, the one validation path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from bus.messages import ChatMessage, SamplingParams
+from bus.validation import check_sampling_params
+from frontends.http.errors import APIError, bad_request, from_validation_error, from_value_error
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI does for abuse tracking
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type per union,
+    # so the list forms are told apart in `prompts()`.
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessageIn]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+def decode_body(body: bytes, typ: type[Any]) -> Any:
+    """JSON bytes -> Struct, or a 400 saying what is wrong (malformed JSON or a field's type)."""
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        raise from_validation_error(e) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+
+
+# ---------------------------------------------------------------------------- mapping
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+    """The request's SamplingParams; ValueError from the shared checks becomes a 400."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        logprobs = req.logprobs
+    given = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    # max_completion_tokens is OpenAI's newer name; None means "up to the context limit" (vLLM).
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    p = SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    try:
+        check_sampling_params(p, vocab_size)
+    except ValueError as e:
+        if isinstance(req, ChatCompletionRequest) and str(e).startswith("logprobs"):
+            raise bad_request(str(e).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
+        raise from_value_error(e) from None
+    return p
+
+
+def prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
+    """The prompt field as a list of prompts: text or token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise bad_request("prompt must not be empty", "prompt")
+    try:
+        if all(isinstance(x, str) for x in p):
+            out: list[str | list[int]] = list(p)
+        elif all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            out = [msgspec.convert(p, list[int])]
+        else:
+            out = list(msgspec.convert(p, list[list[int]]))
+    except msgspec.ValidationError:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            "prompt",
+        ) from None
+    for x in out:
+        if isinstance(x, list):
+            if not x:
+                raise bad_request("a token-id prompt must not be empty", "prompt")
+            bad = [t for t in x if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"prompt token ids {bad[:8]} are outside the vocabulary", "prompt")
+    return out
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """OpenAI messages -> bus ChatMessages; content parts must be text (no images here)."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content part type {part.type!r} is not supported", "messages")
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append(ChatMessage(role=m.role, content=content, name=m.name))
+    return out
+
+
+def check_model(model: str | None, served: str) -> None:
+    if model is not None and model != served:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+# -------------------------------------------------------------------------- responses
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens,
+        completion_tokens,
+        prompt_tokens + completion_tokens,
+        PromptTokensDetails(cached_tokens),
+    )
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] = []
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Response(msgspec.Struct):
+    """One body for completions, chat completions and their stream chunks (they differ in `object`)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]  # CompletionChoice | ChatChoice | ChatChunkChoice
+    usage: Usage | None = None
