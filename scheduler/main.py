@@ -1,0 +1,254 @@
+"""The scheduler process: a thin loop around `Scheduler` that owns the sockets (no torch here).
+
+    tokenizer pools --ROUTER--> [scheduler] --shm ring--> workers --PUSH--> [scheduler]
+    [scheduler] --PUSH per pool (one StepOutput per step, only that pool's requests)--> pools
+
+It spawns the workers itself: it writes their ring and must notice a dead worker at once, so it
+holds their sentinels. Idle, it blocks in one zmq.Poller (inputs, results, sentinels): ~0% CPU.
+Any worker death or fatal error sends EngineDead to every pool and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from bus.codec import Codec, pack_frames
+from bus.config import EngineConfig
+from bus.messages import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    AddRequest,
+    BatchResult,
+    EngineDead,
+    ExecuteBatch,
+    FinishReason,
+    FromWorker,
+    Hello,
+    Ready,
+    SeqUpdate,
+    Shutdown,
+    StepOutput,
+    ToScheduler,
+    WorkerFailed,
+)
+from bus.proc import BusProcess, StartupError, shutdown, spawn, wait_ready
+from bus.shm import ShmRingWriter
+from bus.sockets import Channel, make_socket
+from scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 2_000
+SEND_TIMEOUT_S = 30.0  # a pool that stops reading for this long is as good as dead
+RING_TIMEOUT_S = 60.0
+INBOUND_HWM = 10_000  # ROUTER input: per-pool pipe; senders block (not drop) when it is full
+
+
+class EngineFatal(RuntimeError):
+    """The engine cannot go on; the message is the client-safe reason."""
+
+
+def describe_death(role: str, rank: int, code: int | None) -> str:
+    hint = ", likely killed by the OOM killer" if code == -signal.SIGKILL else ""
+    return f"{role} {rank} died (exit code {code}{hint})"
+
+
+def scheduler_main(
+    cfg_bytes: bytes, model_path: str, addrs: dict[str, str], n_pools: int, worker_target: Callable[..., None]
+) -> None:
+    """Entry point. `worker_target` is `workers.main.worker_main`, passed in so this module never
+    imports the worker package (and with it torch)."""
+    cfg = msgspec.msgpack.decode(cfg_bytes, type=EngineConfig)
+    ctx: zmq.Context[Any] = zmq.Context()
+    hs = Channel(make_socket(ctx, zmq.PUSH, addrs["handshake"], bind=False, linger_ms=LINGER_MS))
+    hs.send(Hello(version=PROTOCOL_VERSION, role="scheduler", rank=0, pid=os.getpid()))
+    ring = ShmRingWriter(cfg.tensor_parallel_size, addrs["ring"], ctx=ctx)
+    results = Channel.open(ctx, zmq.PULL, addrs["worker_out"], bind=True, recv_type=FromWorker)
+    whs = make_socket(ctx, zmq.PULL, addrs["worker_handshake"], bind=True, linger_ms=0)
+    ring_handle = msgspec.msgpack.encode(ring.handle)
+    workers = [
+        spawn(
+            worker_target,
+            f"worker-{r}",
+            "worker",
+            r,
+            (cfg_bytes, model_path, r, ring_handle, addrs["worker_handshake"], addrs["worker_out"]),
+        )
+        for r in range(cfg.tensor_parallel_size)
+    ]
+    outs = {
+        f"tok-{i}".encode(): Channel(make_socket(ctx, zmq.PUSH, addrs[f"tok_step_{i}"], bind=False))
+        for i in range(n_pools)
+    }
+    code = 1
+    try:
+        try:
+            facts = wait_ready(whs, workers, {("worker", r) for r in range(len(workers))}, 3600.0)
+        except StartupError as e:  # tell the launcher which worker failed, not just "scheduler exited"
+            hs.send(Ready(role="scheduler", rank=0, facts={"startup_error": str(e)}))
+            raise
+        f0 = facts[("worker", 0)]
+        eos = int(f0["eos_token_id"])
+        sched = Scheduler(cfg, int(f0["num_kv_blocks"]), int(f0["max_model_len"]), None if eos < 0 else eos)
+        inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
+        worker_pids = {f"worker_pid_{p.rank}": p.pid or 0 for p in workers}
+        hs.send(Ready(role="scheduler", rank=0, facts={**f0, **worker_pids}))
+        loop = _Loop(sched, ring, results, inbound, outs, workers)
+        try:
+            loop.run()
+            code = 0
+        except EngineFatal as e:
+            log.error("engine dead: %s", e)
+            loop.broadcast(EngineDead(reason=str(e)))
+        except Exception as e:
+            log.error("scheduler failed:\n%s", traceback.format_exc())
+            loop.broadcast(EngineDead(reason=f"scheduler failed: {type(e).__name__}: {e}"))
+        finally:
+            inbound.close()
+    finally:
+        if code == 0:
+            try:
+                ring.write(pack_frames(Codec().encode(Shutdown(drain=False))), timeout_s=5.0)
+            except TimeoutError:
+                log.warning("could not send Shutdown to the workers")
+        shutdown(workers, timeout=10.0 if code == 0 else 0.5)
+        ring.close()
+        for ch in (hs, results, *outs.values()):
+            ch.close()
+        whs.close()
+        ctx.term()
+    if code:
+        raise SystemExit(code)
+
+
+class _Loop:
+    def __init__(
+        self,
+        sched: Scheduler,
+        ring: ShmRingWriter,
+        results: Channel,
+        inbound: zmq.Socket[Any],
+        outs: dict[bytes, Channel],
+        workers: list[BusProcess],
+    ) -> None:
+        self.sched, self.ring, self.results, self.inbound = sched, ring, results, inbound
+        self.outs, self.workers = outs, workers
+        self.codec = Codec()
+        self.origin: dict[str, bytes] = {}  # request id -> the pool that owns it
+        self.pending: list[SeqUpdate] = []  # rejections and aborts, sent with the next step
+        self.draining = False
+        self.stopping = False
+        self.poller = zmq.Poller()
+        self.poller.register(inbound, zmq.POLLIN)
+        self.poller.register(results.sock, zmq.POLLIN)  # a WorkerFailed may arrive while idle
+        self.sentinels = {p.sentinel: p for p in workers}
+        for s in self.sentinels:
+            self.poller.register(s, zmq.POLLIN)
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.sched.has_unfinished() or bool(self.pending)
+            if self.draining and not busy:
+                log.info("drained; exiting")
+                return
+            events = dict(self.poller.poll(0 if busy else None))  # idle: block, no busy loop
+            self._check_workers(events)
+            if self.inbound in events:
+                self._drain_inbound()
+            self._step()
+
+    def _check_workers(self, events: dict[Any, int]) -> None:
+        for s, p in self.sentinels.items():
+            if s in events:
+                p.join(1.0)
+                raise EngineFatal(describe_death("worker", p.rank, p.exitcode))
+        if self.results.sock in events:
+            msg = self.results.recv_now()
+            if isinstance(msg, WorkerFailed):
+                raise EngineFatal(f"worker {msg.rank} failed: {msg.reason}")
+            raise EngineFatal(f"unexpected {type(msg).__name__} from a worker while idle")
+
+    def _drain_inbound(self) -> None:
+        dec = self.codec.decoder(ToScheduler)
+        while True:
+            try:
+                ident, *frames = self.inbound.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            match dec.decode(frames[0]):
+                case AddRequest() as req:
+                    self._add(ident, req)
+                case AbortRequest(request_ids=ids):
+                    self.pending.extend(self.sched.abort(ids))
+                case Shutdown(drain=drain):
+                    log.info("shutdown (drain=%s)", drain)
+                    self.draining = True
+                    if not drain:
+                        self.pending.extend(self.sched.abort(list(self.sched.requests)))
+                        self.stopping = True
+
+    def _add(self, ident: bytes, req: AddRequest) -> None:
+        self.origin.setdefault(req.request_id, ident)
+        if self.draining:  # intake is closed; say so rather than leave the request hanging
+            self.pending.append(
+                SeqUpdate(req.request_id, 0, [], FinishReason.ERROR, error="the engine is shutting down")
+            )
+            return
+        self.pending.extend(self.sched.add_request(req))
+
+    def _step(self) -> None:
+        updates, self.pending = self.pending, []
+        batch = self.sched.schedule()
+        if batch is not None:
+            self.ring.write(pack_frames(self.codec.encode(batch)), timeout_s=RING_TIMEOUT_S)
+            updates.extend(self.sched.update(batch, self._wait_result(batch)))
+        if updates:
+            self._send(updates)
+
+    def _wait_result(self, batch: ExecuteBatch) -> BatchResult:
+        poller = zmq.Poller()
+        poller.register(self.results.sock, zmq.POLLIN)
+        for s in self.sentinels:
+            poller.register(s, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(1000))  # sentinels wake us at once on a death
+            if self.results.sock in events:
+                msg = self.results.recv_now()
+                if isinstance(msg, WorkerFailed):
+                    raise EngineFatal(f"worker {msg.rank} failed: {msg.reason}")
+                if msg.step_id != batch.step_id:
+                    raise EngineFatal(f"worker answered step {msg.step_id}, expected {batch.step_id}")
+                return msg  # type: ignore[no-any-return]
+            self._check_workers({k: v for k, v in events.items() if k in self.sentinels})
+
+    def _send(self, updates: list[SeqUpdate]) -> None:
+        by_pool: dict[bytes, list[SeqUpdate]] = {}
+        for u in updates:
+            ident = self.origin.get(u.request_id)
+            if ident is not None:
+                by_pool.setdefault(ident, []).append(u)
+        stats = self.sched.stats()
+        for ident, us in by_pool.items():
+            ch = self.outs.get(ident)
+            if ch is None:
+                log.warning("updates for unknown pool %r dropped", ident)
+                continue
+            ch.send(StepOutput(updates=us, stats=stats), timeout_s=SEND_TIMEOUT_S)
+        for rid in {u.request_id for u in updates}:
+            if rid not in self.sched.requests:
+                self.origin.pop(rid, None)
+
+    def broadcast(self, msg: EngineDead) -> None:
+        for ch in self.outs.values():
+            try:
+                ch.send(msg, timeout_s=1.0)
+            except Exception:
+                log.exception("could not send EngineDead")
