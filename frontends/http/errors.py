@@ -91,10 +91,6 @@ def engine_dead(message: str) -> APIError:
 
 
 def is_engine_dead(e: BaseException) -> bool:
-    # Checked by type when the engine client is importable; by name otherwise, so this module (and
-    # the unit tests' fake client) need not import the multi-process runtime.
-    try:
-        from frontends.engine_client import EngineDeadError
-    except ImportError:
-        return type(e).__name__ == "EngineDeadError"
+    from frontends.engine_client import EngineDeadError  # imported on error paths only (pulls zmq)
+
     return isinstance(e, EngineDeadError)
