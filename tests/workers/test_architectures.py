@@ -91,3 +91,13 @@ def test_sharded_checkpoint_uses_index(tmp_path) -> None:
     _save("llama", str(tmp_path), shard=True)
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
+    import json
+
+    from workers.model_config import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+        ModelRunner(EngineConfig(dtype="float32"), str(tmp_path))
