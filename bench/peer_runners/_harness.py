@@ -1,0 +1,96 @@
+"""The timing protocol every engine goes through, pagebus included, so the figures compare.
+
+Stdlib only: it is imported by each peer's driver (inside that peer's venv) and by bench/peers.py.
+
+Job (JSON on the driver's stdin):
+    {"prompts": [[token ids], ...], "output_len": 128, "single_output_len": 128,
+     "modes": ["offline", "single"], "model": "/path", "options": {...engine specific...}}
+Result (one JSON object on stdout): {"engine": ..., "load_s": ..., "offline": {...}, "single": {...}}
+
+- offline: all prompts submitted at once, greedy, ignore EOS, output_len new tokens each.
+  output_tokens_per_s = output tokens / wall time of the whole batch (prefill included).
+- single: the first prompt alone. Timed once with 1 new token (prefill + first token) and once
+  with single_output_len; decode_tokens_per_s = (n - 1) / (t_n - t_1) excludes the prefill
+  without needing a streaming API from every engine.
+Each mode is warmed up first with the same batch shape and 4 new tokens (excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# generate(prompts, max_new_tokens) -> number of new tokens produced for each prompt
+Generate = Callable[[list[list[int]], int], list[int]]
+
+WARMUP_TOKENS = 4
+
+
+def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
+    t = time.perf_counter()
+    counts = generate(prompts, n)
+    return time.perf_counter() - t, counts
+
+
+def measure_offline(generate: Generate, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    generate(prompts, WARMUP_TOKENS)
+    elapsed, counts = _timed(generate, prompts, output_len)
+    out = sum(counts)
+    return {
+        "requests": len(prompts),
+        "input_tokens": sum(len(p) for p in prompts),
+        "output_tokens": out,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens_per_s": round(out / elapsed, 2),
+    }
+
+
+def measure_single(generate: Generate, prompt: list[int], output_len: int) -> dict[str, Any]:
+    generate([prompt], WARMUP_TOKENS)
+    t1, _ = _timed(generate, [prompt], 1)
+    tn, counts = _timed(generate, [prompt], output_len)
+    out = counts[0]
+    decode_s = tn - t1
+    return {
+        "input_tokens": len(prompt),
+        "output_tokens": out,
+        "elapsed_s": round(tn, 3),
+        "first_token_s": round(t1, 4),
+        "output_tokens_per_s": round(out / tn, 2),
+        # A noisy machine can make t_n - t_1 tiny or negative for very short outputs; report None.
+        "decode_tokens_per_s": round((out - 1) / decode_s, 2) if out > 1 and decode_s > 0 else None,
+    }
+
+
+def measure(job: dict[str, Any], generate: Generate) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    modes = job.get("modes", ["offline", "single"])
+    if "offline" in modes:
+        result["offline"] = measure_offline(generate, job["prompts"], job["output_len"])
+    if "single" in modes:
+        n = job.get("single_output_len", job["output_len"])
+        result["single"] = measure_single(generate, job["prompts"][0], n)
+    return result
+
+
+def run_driver(engine: str, version: str, load: Callable[[dict[str, Any]], Generate]) -> None:
+    """A peer driver's main: job from stdin, one JSON result on stdout, errors as JSON too."""
+    job = json.load(sys.stdin)
+    try:
+        t = time.perf_counter()
+        generate = load(job)
+        result: dict[str, Any] = {
+            "engine": engine,
+            "version": version,
+            "load_s": round(time.perf_counter() - t, 2),
+        }
+        result |= measure(job, generate)
+    except Exception as e:  # the caller records the error and goes on with the other peers
+        traceback.print_exc()
+        result = {"engine": engine, "error": f"{type(e).__name__}: {e}"}
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()

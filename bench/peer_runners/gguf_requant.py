@@ -1,0 +1,36 @@
+"""Rewrite a GGUF with another tensor type through llama.cpp's own quantizer (e.g. Q4_1 -> BF16).
+
+    python gguf_requant.py IN.gguf OUT.gguf [bf16]
+
+Run by setup_peers.sh with the llamacpp peer's python. With allow_requantize, llama.cpp dequantizes
+each Q4_1 tensor and stores it as BF16: the same weights pagebus runs (it dequantizes the same file
+to bf16), with no round trip through an HF directory and the converter's tokenizer checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import llama_cpp
+
+FTYPES = {"bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
+
+
+def main() -> None:
+    src, dst = sys.argv[1], sys.argv[2]
+    ftype = FTYPES[sys.argv[3] if len(sys.argv) > 3 else "bf16"]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = 2
+    tmp = dst + ".tmp"
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), params)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize failed: {rc}")
+    os.replace(tmp, dst)
+    print(f"wrote {dst}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
