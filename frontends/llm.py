@@ -25,14 +25,24 @@ PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_to
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, multiprocess: bool = False, tokenizer_workers: int = 1, **kwargs: Any
+    ) -> None:
+        """`multiprocess=True` runs the engine in its own processes (tokenizer pool, scheduler,
+        worker) behind `AsyncEngineClient`; generate() returns the same outputs."""
         cfg = make_engine_config(model=model, **kwargs)
         path = resolve_model(cfg.model)
         self.config: EngineConfig = msgspec_replace(cfg, model=path)
         self.tokenizer = Tokenizer(tokenizer_dir(cfg.tokenizer or path))
-        from frontends.inproc_engine import InprocEngine
+        self._mp: Any = None
+        if multiprocess:
+            from frontends.mp_llm import MultiprocessBackend
 
-        self.engine = InprocEngine(self.config, path)
+            self.engine = self._mp = MultiprocessBackend(self.config, tokenizer_workers)
+        else:
+            from frontends.inproc_engine import InprocEngine
+
+            self.engine = InprocEngine(self.config, path)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -53,6 +63,8 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._params_list(sampling_params, len(prompts))
+        if self._mp is not None:
+            return self._generate_mp(prompts, params, priority)
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             text, token_ids = self._tokenize(prompt)
@@ -108,6 +120,32 @@ class LLM:
         for p in params:
             check_sampling_params(p, self.engine.vocab_size)
         return params
+
+    def _generate_mp(
+        self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None
+    ) -> list[RequestOutput]:
+        from bus.messages import GenerateRequest
+
+        reqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid, prio, now = str(next(self._ids)), priority[i] if priority else 0, time.time()
+            if isinstance(prompt, str):  # the pool tokenizes text, exactly as _tokenize would
+                req = GenerateRequest(
+                    request_id=rid, params=p, prompt=prompt, priority=prio, arrival_time=now
+                )
+                reqs.append((req, prompt))
+                continue
+            text, ids = self._tokenize(prompt)
+            req = GenerateRequest(
+                request_id=rid, params=p, prompt_token_ids=ids, priority=prio, arrival_time=now
+            )
+            reqs.append((req, text))
+        return self._mp.generate(reqs)  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        """Stop the engine processes (multiprocess=True); a no-op in-process."""
+        if self._mp is not None:
+            self._mp.close()
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
