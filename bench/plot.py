@@ -68,12 +68,16 @@ def plot_peers(doc: dict[str, Any], out: Path) -> Path:
         colors = ["tab:red" if n == "pagebus" else "tab:gray" for n in names]
         ax.bar(names, values, color=colors)
         for i, v in enumerate(values):
-            ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{v:.0f}" if v >= 10 else f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
         ax.set_title(titles[key], fontsize=9)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
         ax.set_ylabel("tokens/s")
     fig.suptitle(f"{doc.get('device', '')}  {doc.get('git_sha', '')}  {doc.get('date', '')}", fontsize=8)
-    fig.tight_layout()
+    absent = [f"{n} ({'skipped' if 'skipped' in r else 'failed'})" for n, r in doc.get("engines", {}).items()
+              if "skipped" in r or "error" in r]  # fmt: skip
+    if absent:
+        fig.text(0.01, 0.01, "not shown: " + ", ".join(absent), fontsize=7, color="dimgray")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -9,6 +9,7 @@ to bf16), with no round trip through an HF directory and the converter's tokeniz
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -25,7 +26,7 @@ def main() -> None:
     params.allow_requantize = True
     params.nthread = 2
     tmp = dst + ".tmp"
-    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), params)
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
     if rc != 0:
         raise SystemExit(f"llama_model_quantize failed: {rc}")
     os.replace(tmp, dst)
