@@ -97,17 +97,22 @@ setup_vllm() {
 
 run_step() {  # run_step PEER: set it up unless its marker exists; a failure is logged, not fatal
   local p="$1"
+  mkdir -p "$CACHE/$p"
+  # One setup per peer at a time: a second run (e.g. --only vllm while the full run builds
+  # llama.cpp) waits here, then finds the marker.
+  exec 9>"$CACHE/$p/.lock"
+  flock 9
   if [ -f "$CACHE/$p/.ready" ]; then log "$p: already set up (rm $CACHE/$p/.ready to redo)"; return 0; fi
   log "$p: setting up"
-  mkdir -p "$CACHE/$p"
   local t0=$SECONDS
   # Not inside `if`: bash ignores set -e in a tested command, so the step would not stop at its first error.
   ( set -e; "setup_$p" ) >&2
   if [ $? -eq 0 ]; then
     touch "$CACHE/$p/.ready"; log "$p: ready ($((SECONDS - t0)) s)"
   else
-    rm -f "$CACHE/$p/peer.json"; log "$p: FAILED after $((SECONDS - t0)) s (see above); skipped"; return 1
+    rm -f "$CACHE/$p/peer.json"; log "$p: FAILED after $((SECONDS - t0)) s (see above); skipped"
   fi
+  [ -f "$CACHE/$p/.ready" ]
 }
 
 FAILED=()
