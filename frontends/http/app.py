@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from bus.messages import GenerateRequest, RequestDelta, SchedulerStats, TokenizeRequest, TokenizeResult
+from frontends.http import handler as H
 from frontends.http import protocol as P
 from frontends.http.asgi import (
     JSON_HEADERS,
@@ -27,12 +28,10 @@ from frontends.http.asgi import (
     Request,
     Scope,
     Send,
-    closing,
-    merge,
     until_disconnect,
 )
 from frontends.http.auth import bearer_ok
-from frontends.http.errors import APIError, bad_request, delta_error, engine_dead, is_engine_dead
+from frontends.http.errors import APIError, bad_request, engine_dead, is_engine_dead
 from frontends.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.http.metrics import Metrics, RequestTimer
 from frontends.http.openapi import openapi_spec
@@ -87,8 +86,8 @@ class App:
         self.metrics = Metrics(lambda: client.latest_stats)
         self.num_waiting = 0
         self.draining = False  # set by the server on SIGTERM: /health turns 503, new work is refused
-        H = Callable[[Request], Coroutine[Any, Any, None]]
-        self.routes: dict[str, dict[str, H]] = {
+        Route = Callable[[Request], Coroutine[Any, Any, None]]
+        self.routes: dict[str, dict[str, Route]] = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
             "/v1/models": {"GET": self.models},
@@ -231,60 +230,13 @@ class App:
 
     # ------------------------------------------------------------------ generation
     async def completions(self, req: Request) -> None:
-        body: P.CompletionRequest = P.decode_body(await req.body(), P.CompletionRequest)
-        P.check_model(body.model, self.settings.served_model_name)
-        vocab = self.client.info.vocab_size
-        params = P.sampling_params(body, vocab)
-        prompts = P.prompts(body, vocab)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(
-            "completion",
-            rid,
-            self.settings.served_model_name,
-            n=params.n,
-            num_prompts=len(prompts),
-            logprobs=params.logprobs,
-            echo=body.echo,
-            token_text=self.token_text,
-        )
-        gens = [
-            GenerateRequest(
-                request_id=f"{rid}-{i}",
-                params=params,
-                prompt=p if isinstance(p, str) else None,
-                prompt_token_ids=p if isinstance(p, list) else None,
-                priority=body.priority,
-                cache_salt=body.cache_salt,
-                arrival_time=time.time(),
-                echo=body.echo,
-            )
-            for i, p in enumerate(prompts)
-        ]
-        await self._generate(req, builder, gens, body)
+        await self._generate(req, H.prepare("completion", await req.body(), self._context()))
 
     async def chat_completions(self, req: Request) -> None:
-        body: P.ChatCompletionRequest = P.decode_body(await req.body(), P.ChatCompletionRequest)
-        P.check_model(body.model, self.settings.served_model_name)
-        params = P.sampling_params(body, self.client.info.vocab_size)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(
-            "chat",
-            rid,
-            self.settings.served_model_name,
-            n=params.n,
-            logprobs=params.logprobs,
-            token_text=self.token_text,
-        )
-        gen = GenerateRequest(
-            request_id=rid,
-            params=params,
-            messages=P.chat_messages(body.messages),
-            add_generation_prompt=body.add_generation_prompt,
-            priority=body.priority,
-            cache_salt=body.cache_salt,
-            arrival_time=time.time(),
-        )
-        await self._generate(req, builder, [gen], body)
+        await self._generate(req, H.prepare("chat", await req.body(), self._context()))
+
+    def _context(self) -> H.Context:
+        return H.Context(self.settings.served_model_name, self.client.info.vocab_size, self.token_text)
 
     def _check_alive(self) -> None:
         if self.client.is_dead or self.draining:
@@ -303,49 +255,31 @@ class App:
             )
         return _Admission(self)
 
-    async def _generate(
-        self,
-        req: Request,
-        builder: ResponseBuilder,
-        gens: list[GenerateRequest],
-        body: P.CompletionRequest | P.ChatCompletionRequest,
-    ) -> None:
+    async def _generate(self, req: Request, prep: H.Prepared) -> None:
         admission = self._admit()
         try:
-            work = self._produce(req, builder, gens, body, admission)
-            await until_disconnect(work, req.receive)
+            await until_disconnect(self._produce(req, prep, admission), req.receive)
         finally:
             admission.release()
 
-    async def _produce(
-        self,
-        req: Request,
-        builder: ResponseBuilder,
-        gens: list[GenerateRequest],
-        body: P.CompletionRequest | P.ChatCompletionRequest,
-        admission: _Admission,
-    ) -> None:
+    async def _produce(self, req: Request, prep: H.Prepared, admission: _Admission) -> None:
+        builder, body = prep.builder, prep.body
         arrival = time.monotonic()
-        timers = [RequestTimer(self.metrics, arrival) for _ in gens]
-        deltas = merge([self.client.generate(g) for g in gens])
+        timers = [RequestTimer(self.metrics, arrival) for _ in prep.gens]
         try:
-            async with closing(deltas):
-                async for i, delta in deltas:
-                    admission.release()
-                    if delta.error:
-                        raise delta_error(delta.error_kind, delta.error)
-                    choices = builder.add(i, delta)
-                    now = time.monotonic()
-                    timers[i].on_delta(now, sum(len(s.new_token_ids) for s in delta.samples))
-                    if delta.finished:
-                        reasons = [builder.choices[i * builder.n + k].finish_reason for k in range(builder.n)]
-                        timers[i].on_finish(now, builder.prompts[i].num_tokens, reasons)
-                    if body.stream:
-                        await self._stream_chunk(req, builder, choices)
+            async for i, delta, choices in H.run(self.client, prep):
+                admission.release()
+                now = time.monotonic()
+                timers[i].on_delta(now, sum(len(s.new_token_ids) for s in delta.samples))
+                if delta.finished:
+                    reasons = [builder.choices[i * builder.n + k].finish_reason for k in range(builder.n)]
+                    timers[i].on_finish(now, builder.prompts[i].num_tokens, reasons)
+                if body.stream:
+                    await self._stream_chunk(req, builder, choices)
         except Exception as e:
-            err = engine_dead(str(e)) if is_engine_dead(e) else e
             if not (body.stream and req.started):
-                raise err from None
+                raise
+            err = e
             if not isinstance(err, APIError):
                 logger.exception("stream %s failed", builder.id)
                 err = APIError(500, "internal server error", code="internal_error")

@@ -1,0 +1,128 @@
+"""Completions and chat completions without a transport: body bytes in, deltas and an OpenAI body out.
+
+The HTTP app and `pagebus run-batch` both go through `prepare` (decode, validate, build the bus
+requests) and `run` (fold the engine's deltas into a `ResponseBuilder`), so a body is accepted,
+refused and answered the same way whichever way it came in. Failures are `APIError`s.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from bus.messages import GenerateRequest, RequestDelta
+from frontends.http import protocol as P
+from frontends.http.asgi import closing, merge
+from frontends.http.errors import delta_error, engine_dead, is_engine_dead
+from frontends.http.streaming import ResponseBuilder
+
+Kind = Literal["completion", "chat"]
+
+
+class Generator(Protocol):
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]: ...
+
+
+@dataclass(frozen=True)
+class Context:
+    """What validation and responses need to know of the engine and the deployment."""
+
+    served_model_name: str
+    vocab_size: int
+    token_text: Callable[[int], str] = str
+
+
+@dataclass
+class Prepared:
+    """A validated request: its body, the bus requests it fans out into, and its response state."""
+
+    kind: Kind
+    body: P.CompletionRequest | P.ChatCompletionRequest
+    gens: list[GenerateRequest]
+    builder: ResponseBuilder
+
+
+def prepare(kind: Kind, raw: bytes, ctx: Context) -> Prepared:
+    """Decode and validate a body; raises APIError (400/404) exactly as the HTTP endpoints answer."""
+    if kind == "chat":
+        return _prepare_chat(P.decode_body(raw, P.ChatCompletionRequest), ctx)
+    return _prepare_completion(P.decode_body(raw, P.CompletionRequest), ctx)
+
+
+def _prepare_completion(body: P.CompletionRequest, ctx: Context) -> Prepared:
+    P.check_model(body.model, ctx.served_model_name)
+    params = P.sampling_params(body, ctx.vocab_size)
+    prompts = P.prompts(body, ctx.vocab_size)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    builder = ResponseBuilder(
+        "completion",
+        rid,
+        ctx.served_model_name,
+        n=params.n,
+        num_prompts=len(prompts),
+        logprobs=params.logprobs,
+        echo=body.echo,
+        token_text=ctx.token_text,
+    )
+    gens = [
+        GenerateRequest(
+            request_id=f"{rid}-{i}",
+            params=params,
+            prompt=p if isinstance(p, str) else None,
+            prompt_token_ids=p if isinstance(p, list) else None,
+            priority=body.priority,
+            cache_salt=body.cache_salt,
+            arrival_time=time.time(),
+            echo=body.echo,
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return Prepared("completion", body, gens, builder)
+
+
+def _prepare_chat(body: P.ChatCompletionRequest, ctx: Context) -> Prepared:
+    P.check_model(body.model, ctx.served_model_name)
+    params = P.sampling_params(body, ctx.vocab_size)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    builder = ResponseBuilder(
+        "chat", rid, ctx.served_model_name, n=params.n, logprobs=params.logprobs, token_text=ctx.token_text
+    )
+    gen = GenerateRequest(
+        request_id=rid,
+        params=params,
+        messages=P.chat_messages(body.messages),
+        add_generation_prompt=body.add_generation_prompt,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        arrival_time=time.time(),
+    )
+    return Prepared("chat", body, [gen], builder)
+
+
+async def run(client: Generator, prep: Prepared) -> AsyncIterator[tuple[int, RequestDelta, list[Any]]]:
+    """Run every bus request of `prep`, folding each delta into its builder as it comes.
+
+    Yields (prompt index, delta, stream choices it produced). An engine-reported error or the
+    engine's death raises APIError; closing the iterator early aborts the requests.
+    """
+    deltas = merge([client.generate(g) for g in prep.gens])
+    try:
+        async with closing(deltas):
+            async for i, delta in deltas:
+                if delta.error:
+                    raise delta_error(delta.error_kind, delta.error)
+                yield i, delta, prep.builder.add(i, delta)
+    except Exception as e:
+        if is_engine_dead(e):
+            raise engine_dead(str(e)) from None
+        raise
+
+
+async def complete(client: Generator, prep: Prepared) -> P.Response:
+    """The whole non-streamed response body."""
+    async for _ in run(client, prep):
+        pass
+    return prep.builder.final()
