@@ -1,4 +1,4 @@
-"""The `pagebus` command: `generate` now; `serve` and `run-batch` as their frontends land."""
+"""The `pagebus` command: `generate`, `serve` and `run-batch`."""
 
 from __future__ import annotations
 
@@ -81,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     from frontends.http.options import add_serve_args
 
     add_serve_args(srv)
+    bat = sub.add_parser(
+        "run-batch", help="answer JSONL requests (OpenAI Batch or short form) from a file or stdin"
+    )
+    bat.add_argument("--log-level", default="WARNING")
+    add_engine_args(bat)
+    from frontends.batch.main import add_batch_args
+
+    add_batch_args(bat)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -94,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             from frontends.http.server import main as serve_main
 
             return serve_main(args)
+        if args.command == "run-batch":
+            from frontends.batch.main import main as batch_main
+
+            return batch_main(args)
     except (ValueError, FileNotFoundError) as e:
         # User errors (bad path, unsupported architecture, bad option) end with one clear line.
         print(f"pagebus: error: {e}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""`pagebus run-batch`: JSONL in, JSONL out, through the same engine processes and request path as serve."""
