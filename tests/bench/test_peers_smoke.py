@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # loads the real default model
+
 REPO = Path(__file__).resolve().parents[2]
 N, IN, OUT, SINGLE_OUT = 2, 8, 4, 4
 
