@@ -84,6 +84,9 @@ def _child_main(
 ) -> None:
     tag = f"{role}-{rank}"
     install_parent_death_protection(parent_pid)
+    # Ctrl+C in a terminal signals the whole process group; only the launcher may react, so
+    # that it can drain in-flight work through Shutdown messages instead of losing it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=level, format=LOG_FORMAT.format(tag=tag), force=True)
     with contextlib.suppress(ImportError):  # a missing title is cosmetic
         import setproctitle

@@ -1,0 +1,59 @@
+"""Run in a fresh interpreter by test_engine_lifecycle: a frontend that must stay torch-free.
+
+Prints one JSON line: torch/transformers imported?, idle CPU seconds of the engine processes over
+2 s, drained outputs and exit codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import psutil
+
+from bus.config import EngineConfig
+from bus.messages import GenerateRequest, SamplingParams
+from frontends.engine_client import AsyncEngineClient
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+async def main() -> None:
+    client = await AsyncEngineClient.start(EngineConfig(dtype="float32", num_kv_blocks=128))
+    heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+    pids = [*client.pids, psutil.Process().pid]
+    before, t0 = cpu_seconds(pids), time.monotonic()
+    await asyncio.sleep(2.0)  # measuring idle CPU, not synchronising
+    idle_cpu = (cpu_seconds(pids) - before) / (time.monotonic() - t0)
+
+    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    started = asyncio.Event()
+
+    async def one(i: int) -> int:
+        n = 0
+        async for d in client.generate(GenerateRequest(request_id=f"r{i}", params=p, prompt=f"{i} apples")):
+            n += sum(len(s.new_token_ids) for s in d.samples)
+            started.set()
+        return n
+
+    tasks = [asyncio.create_task(one(i)) for i in range(4)]
+    await started.wait()
+    await client.shutdown(drain=True, timeout=180.0)  # what SIGTERM in a server does
+    counts = await asyncio.gather(*tasks)
+    out = {"heavy": heavy, "idle_cpu": idle_cpu, "counts": counts, "exit_codes": client.exit_codes}
+    out["alive"] = [
+        pid for pid in client.pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
