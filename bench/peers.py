@@ -43,7 +43,7 @@ NOT_SET_UP = "not set up; run bench/setup_peers.sh"
 def pagebus_generate(dtype: str) -> tuple[Generate, Any]:
     from frontends import LLM, SamplingParams
 
-    llm = LLM(None, dtype=dtype, seed=0)
+    llm = LLM(None, dtype=dtype, seed=0, enable_prefix_caching=False)  # as the peers: no cache hits
 
     def generate(prompts: list[list[int]], n: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

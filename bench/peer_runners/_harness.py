@@ -13,6 +13,8 @@ Result (one JSON object on stdout): {"engine": ..., "load_s": ..., "offline": {.
   with single_output_len; decode_tokens_per_s = (n - 1) / (t_n - t_1) excludes the prefill
   without needing a streaming API from every engine.
 Each mode is warmed up first with the same batch shape and 4 new tokens (excluded).
+Every run gets prompts no earlier run has seen (the token ids shifted), so an engine's prefix
+cache cannot skip a prefill it did in the warm-up; engines are also told to turn theirs off.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ Generate = Callable[[list[list[int]], int], list[int]]
 WARMUP_TOKENS = 4
 
 
+def variant(prompts: list[list[int]], k: int) -> list[list[int]]:
+    """The same lengths, other ids: variant k of the prompts (k=0 is the original).
+
+    make_prompts draws ids from [100, 20000); shifting within that range keeps them ordinary tokens.
+    """
+    return [[100 + (t - 100 + 997 * k) % 19900 for t in p] for p in prompts]
+
+
 def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
     t = time.perf_counter()
     counts = generate(prompts, n)
@@ -37,7 +47,7 @@ def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float,
 
 
 def measure_offline(generate: Generate, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    generate(prompts, WARMUP_TOKENS)
+    generate(variant(prompts, 1), WARMUP_TOKENS)
     elapsed, counts = _timed(generate, prompts, output_len)
     out = sum(counts)
     return {
@@ -50,9 +60,10 @@ def measure_offline(generate: Generate, prompts: list[list[int]], output_len: in
 
 
 def measure_single(generate: Generate, prompt: list[int], output_len: int) -> dict[str, Any]:
-    generate([prompt], WARMUP_TOKENS)
-    t1, _ = _timed(generate, [prompt], 1)
-    tn, counts = _timed(generate, [prompt], output_len)
+    # Variants 2-4: the offline run has already seen the original prompt.
+    generate(variant([prompt], 2), WARMUP_TOKENS)
+    t1, _ = _timed(generate, variant([prompt], 3), 1)
+    tn, counts = _timed(generate, variant([prompt], 4), output_len)
     out = counts[0]
     decode_s = tn - t1
     return {

@@ -22,6 +22,7 @@ def load(job: dict[str, Any]) -> Generate:
     longest = max(len(p) for p in job["prompts"]) + max(job["output_len"], job.get("single_output_len", 0))
     llm = LLM(
         model=job["model"], dtype="bfloat16", seed=0, max_model_len=max(512, longest),
+        enable_prefix_caching=False,
         enforce_eager=bool(opts.get("enforce_eager", True)),
     )  # fmt: skip
 
