@@ -140,6 +140,10 @@ def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
     return out
 
 
+def _load() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def machine() -> dict[str, Any]:
     mem_gib = None
     try:
@@ -147,10 +151,9 @@ def machine() -> dict[str, Any]:
             mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "mem_gib": mem_gib, "loadavg_1m_at_start": load,
+        "mem_gib": mem_gib, "loadavg_1m_at_start": _load(),
     }  # fmt: skip
 
 
@@ -185,7 +188,7 @@ def main() -> None:
     engines: dict[str, dict[str, Any]] = {}
     log.info("pagebus: %d x %d in x %d out", args.num_requests, args.input_len, args.output_len)
     try:
-        engines["pagebus"] = run_pagebus(job, args.dtype)
+        engines["pagebus"] = {"loadavg_1m_at_start": _load()} | run_pagebus(job, args.dtype)
     except Exception as e:  # still report the peers
         log.exception("pagebus failed")
         engines["pagebus"] = {"error": f"{type(e).__name__}: {e}"}
@@ -198,7 +201,9 @@ def main() -> None:
         manifest = json.loads(manifest_path.read_text())
         for name, cfg in peer_configs(peer, manifest, args).items():
             log.info("%s: %s", name, cfg["model"])
-            engines[name] = run_peer(peer, manifest, job | cfg, args.peer_timeout) | {"model": cfg["model"]}
+            load = _load()  # the machine may be shared: record how busy it was as each engine started
+            result = run_peer(peer, manifest, job | cfg, args.peer_timeout)
+            engines[name] = {"loadavg_1m_at_start": load} | result | {"model": cfg["model"]}
     emit({
         "bench": "peers",
         "date": started,
