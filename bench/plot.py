@@ -8,9 +8,10 @@ engines.<name>.single.decode_tokens_per_s (falling back to .output_tokens_per_s)
 skipped or failed are left out. Pass "-" to skip it when only plotting serve results.
 
 SERVE_JSON (bench/serve.py or anything shaped alike) -> DIR/serve.png: latency percentiles against
-request rate, one panel per metric. Keys read: results[] with request_rate (a number, or "inf" for
-all at once) and, for each metric present among ttft_ms, itl_ms, tpot_ms, e2e_ms, an object of
-percentiles such as {"p50": ..., "p90": ..., "p99": ...}; every pNN key found is drawn as one line.
+load, one panel per metric. Keys read: results[] with request_rate (req/s; "inf" or null means all
+at once) or, when no result has a request rate, max_concurrency; and, for each metric present among
+ttft_ms, itl_ms, tpot_ms, e2e_ms, an object of percentiles such as {"p50": ..., "p99": ...}; every
+pNN key found is drawn as one line.
 
 matplotlib is not a pagebus dependency: it is imported lazily and, when missing, the script exits
 non-zero saying how to install it. Prints one JSON object: {"written": [paths]}.
@@ -83,23 +84,34 @@ def plot_peers(doc: dict[str, Any], out: Path) -> Path:
     return out
 
 
-def _rate(r: dict[str, Any]) -> float:
-    rate = r.get("request_rate")
-    return math.inf if rate in (None, "inf", "Infinity") else float(rate)
+def _x_key(results: list[dict[str, Any]]) -> str:
+    """request_rate when the run swept rates, else max_concurrency (bench/serve.py's default sweep)."""
+    if any(r.get("request_rate") is not None for r in results) or not any(
+        "max_concurrency" in r for r in results
+    ):
+        return "request_rate"
+    return "max_concurrency"
+
+
+def _x(r: dict[str, Any], key: str) -> float:
+    v = r.get(key)
+    return math.inf if v in (None, "inf", "Infinity") else float(v)
 
 
 def plot_serve(doc: dict[str, Any], out: Path) -> Path:
     plt = _pyplot()
-    results = sorted(doc.get("results", []), key=_rate)
+    results = doc.get("results", [])
     if not results:
         raise ValueError("serve JSON has no results[]")
+    key = _x_key(results)
+    results = sorted(results, key=lambda r: _x(r, key))
     metrics = [m for m in SERVE_METRICS if any(isinstance(r.get(m), dict) for r in results)]
     if not metrics:
         raise ValueError(f"serve JSON results carry none of {SERVE_METRICS}")
     # An infinite rate (everything at once) is drawn one step right of the largest finite rate.
-    finite = [_rate(r) for r in results if math.isfinite(_rate(r))]
+    finite = [_x(r, key) for r in results if math.isfinite(_x(r, key))]
     inf_x = (max(finite) * 1.5) if finite else 1.0
-    xs = [x if math.isfinite(x) else inf_x for x in map(_rate, results)]
+    xs = [x if math.isfinite(x) else inf_x for x in (_x(r, key) for r in results)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.8), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
         keys = sorted({k for r in results for k in r.get(metric, {}) if k[:1] == "p" and k[1:].isdigit()})
@@ -107,7 +119,8 @@ def plot_serve(doc: dict[str, Any], out: Path) -> Path:
             pts = [(x, r[metric][k]) for x, r in zip(xs, results, strict=True) if k in r.get(metric, {})]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
         ax.set_title(metric, fontsize=9)
-        ax.set_xlabel("request rate (req/s; rightmost may be 'all at once')", fontsize=8)
+        label = "request rate (req/s; 'all at once' drawn rightmost)" if key == "request_rate" else key
+        ax.set_xlabel(label, fontsize=8)
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -57,6 +57,16 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     if plot.returncode == 0:  # matplotlib is installed
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert json.loads(plot.stdout)["written"] == [str(png)]
+        # bench/serve.py's shape: a concurrency sweep (request_rate null), percentiles per metric.
+        lat = {"p50": 10.0, "p99": 30.0}
+        serve = {"results": [{"max_concurrency": c, "request_rate": None, "ttft_ms": lat, "itl_ms": lat}
+                             for c in (1, 8)]}  # fmt: skip
+        (tmp_path / "serve.json").write_text(json.dumps(serve))
+        plot = _run(
+            ["-m", "bench.plot", "-", "--serve", str(tmp_path / "serve.json"), "--out-dir", str(tmp_path)], 60
+        )
+        assert plot.returncode == 0, plot.stderr
+        assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
     else:  # matplotlib is not a pagebus dependency: the script must say so
         assert "needs matplotlib" in plot.stderr, plot.stderr
         assert not png.exists()
