@@ -99,5 +99,5 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
     from workers.model_config import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
         ModelRunner(EngineConfig(dtype="float32"), str(tmp_path))
