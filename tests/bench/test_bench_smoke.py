@@ -35,14 +35,16 @@ def test_scheduler_step() -> None:
     assert out["cpu_ms_per_step"] > 0 and out["cpu_us_per_seq_per_step"] > 0
 
 
-def test_throughput() -> None:
+def test_throughput_both_paths() -> None:
     out = run_bench(
         "throughput", "--num-requests", "3", "--input-len", "8", "--output-len", "4", "--dtype", "float32"
     )
-    r = out["llm_generate"]
-    assert (r["input_tokens"], r["output_tokens"]) == (3 * 8, 3 * 4)
-    assert r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"]
-    assert out["peak_rss_mb"] > 0
+    for path in ("llm_generate", "run_batch"):
+        r = out[path]
+        assert (r["input_tokens"], r["output_tokens"]) == (3 * 8, 3 * 4), path
+        assert r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"]
+    assert out["run_batch"]["ok"] == 3 and out["run_batch"]["failed"] == 0
+    assert out["ratio_run_batch_to_llm"] > 0 and out["peak_rss_mb"] > 0
 
 
 def test_decode() -> None:
