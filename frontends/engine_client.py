@@ -256,7 +256,10 @@ class AsyncEngineClient:
         self._closing = True
         self.is_ready = False
         if drain and not self.is_dead and self._reqs:
-            self._launcher.begin_drain()
+            # Intake closes here (generate() refuses new requests), not in the scheduler: a
+            # request already sent may still be in a tokenizer process, and a scheduler that
+            # stopped intake (or exited when idle) would lose it. The engine keeps serving
+            # until every request this client sent has finished.
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
             except asyncio.TimeoutError:

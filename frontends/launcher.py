@@ -117,13 +117,6 @@ class Launcher:
             except zmq.Again:
                 raise RuntimeError(f"tokenizer {index} is not keeping up (queue full); retry later") from None
 
-    def begin_drain(self) -> None:
-        """Stop intake in the scheduler; in-flight requests run to completion, then it exits 0."""
-        self.stopping = True
-        with self._lock:
-            if not self.closed:
-                self._ctl.send_multipart(self._codec.encode(Shutdown(drain=True)), zmq.NOBLOCK)
-
     # ------------------------------------------------------------------ teardown
     def close(self, timeout: float = 10.0) -> dict[str, int | None]:
         """Stop every process (Shutdown, then terminate, then kill) and remove the runtime dir.

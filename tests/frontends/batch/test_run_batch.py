@@ -245,8 +245,11 @@ def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
 
 
 def test_sigterm_finishes_in_flight_and_exits_130() -> None:
+    # bufsize=0: readline() must not pull later lines into a Python buffer that communicate(),
+    # which reads the raw pipe, would never see.
     proc = subprocess.Popen(
-        _cmd("--max-inflight", "4"), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        _cmd("--max-inflight", "4"), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        bufsize=0,
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     body = {"max_tokens": 4, "temperature": 0}
