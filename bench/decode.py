@@ -35,7 +35,7 @@ def _prompts(n: int, words: int) -> list[str]:
 def measure(
     dtype: str, concurrency: int, output_len: int, input_words: int, model: str | None
 ) -> dict[str, float]:
-    from frontends import LLM, SamplingParams
+    from pagebus import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, seed=0)

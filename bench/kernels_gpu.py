@@ -97,7 +97,7 @@ def _paged_batch(cfg: BenchConfig, qlens: list[int], seq_lens: list[int], device
 
 def _ref_chunked(b: dict, scale: float, chunk: int = 32) -> torch.Tensor:
     """paged_attention_ref over groups of sequences, to bound its padded-batch memory."""
-    from kernels.paged_attention import paged_attention_ref
+    from pagebus.kernels.paged_attention import paged_attention_ref
 
     out = torch.empty_like(b["q"])
     starts = b["qsl"].tolist()
@@ -152,7 +152,7 @@ def _sdpa_gathered(cfg: BenchConfig, b: dict, scale: float) -> tuple[Callable[[]
 def _check_attention(
     cfg: BenchConfig, name: str, qlens: list[int], lens: list[int], dev: torch.device
 ) -> dict:
-    from kernels.paged_attention import paged_attention
+    from pagebus.kernels.paged_attention import paged_attention
 
     b = _paged_batch(cfg, qlens, lens, dev)
     scale = cfg.head_dim**-0.5
@@ -177,10 +177,10 @@ def _check_attention(
 
 
 def _check_elementwise(cfg: BenchConfig, dev: torch.device) -> dict[str, dict]:
-    from kernels.activation import silu_and_mul, silu_and_mul_ref
-    from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
-    from kernels.rms_norm import rms_norm, rms_norm_ref
-    from kernels.rotary import rotary_embedding, rotary_embedding_ref
+    from pagebus.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from pagebus.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+    from pagebus.kernels.rms_norm import rms_norm, rms_norm_ref
+    from pagebus.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
     dtype, t = getattr(torch, cfg.dtype), cfg.num_tokens
     results: dict[str, dict] = {}

@@ -41,7 +41,7 @@ NOT_SET_UP = "not set up; run bench/setup_peers.sh"
 
 
 def pagebus_generate(dtype: str) -> tuple[Generate, Any]:
-    from frontends import LLM, SamplingParams
+    from pagebus import LLM, SamplingParams
 
     llm = LLM(None, dtype=dtype, seed=0, enable_prefix_caching=False)  # as the peers: no cache hits
 

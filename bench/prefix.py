@@ -18,7 +18,7 @@ from bench.common import emit, log, percentiles, setup_logging
 def ttfts(
     caching: bool, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]]
 ) -> list[float]:
-    from frontends import LLM, SamplingParams
+    from pagebus import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -18,10 +18,9 @@ from typing import Any
 
 import psutil
 import zmq
-
-from bus.config import EngineConfig
-from bus.messages import AbortRequest, GenerateRequest, SamplingParams
-from bus.sockets import Channel, make_runtime_dir
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import AbortRequest, GenerateRequest, SamplingParams
+from pagebus.bus.sockets import Channel, make_runtime_dir
 
 log = logging.getLogger("bench.runtime")
 
@@ -62,7 +61,7 @@ def workload(n: int, in_len: int, seed: int = 0) -> list[list[int]]:
 
 
 def inproc_tps(prompts: list[list[int]], params: SamplingParams) -> float:
-    from frontends import LLM
+    from pagebus import LLM
 
     llm = LLM(dtype="float32", seed=0)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
@@ -73,7 +72,7 @@ def inproc_tps(prompts: list[list[int]], params: SamplingParams) -> float:
 
 
 async def mp_numbers(prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    from frontends.engine_client import AsyncEngineClient
+    from pagebus.frontends.engine_client import AsyncEngineClient
 
     client = await AsyncEngineClient.start(EngineConfig(dtype="float32", seed=0))
     procs = [psutil.Process(p) for p in client.pids]

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import AddRequest, BatchResult, SamplingParams
+from pagebus.scheduler.scheduler import Scheduler
+
 from bench.common import emit, setup_logging
-from bus.config import EngineConfig
-from bus.messages import AddRequest, BatchResult, SamplingParams
-from scheduler.scheduler import Scheduler
 
 
 def main() -> None:

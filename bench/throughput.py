@@ -41,7 +41,7 @@ def make_prompts(
 
 
 def run_llm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, float]:
-    from frontends import LLM, SamplingParams
+    from pagebus import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -76,7 +76,7 @@ def run_batch(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
         cmd = [
             sys.executable,
             "-m",
-            "frontends.cli",
+            "pagebus.frontends.cli",
             "run-batch",
             "-i",
             inp,

@@ -29,9 +29,8 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from bus.codec import Codec
-from bus.messages import PROTOCOL_VERSION, Handshake, Hello, Ready
+from pagebus.bus.codec import Codec
+from pagebus.bus.messages import PROTOCOL_VERSION, Handshake, Hello, Ready
 
 logger = logging.getLogger(__name__)
 

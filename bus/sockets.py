@@ -21,8 +21,7 @@ import weakref
 from typing import Any
 
 import zmq
-
-from bus.codec import Codec
+from pagebus.bus.codec import Codec
 
 logger = logging.getLogger(__name__)
 

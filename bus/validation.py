@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.messages import SamplingParams
+from pagebus.bus.messages import SamplingParams
 
 
 def check_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> None:

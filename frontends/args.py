@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any
 
-from bus.config import EngineConfig, make_engine_config
+from pagebus.bus.config import EngineConfig, make_engine_config
 
 _HELP = {
     "model": "a .gguf file or an HF directory (config.json + safetensors); default: SmolLM2-135M-Instruct",

@@ -7,8 +7,8 @@ import json
 import logging
 import sys
 
-from bus.messages import SamplingParams
-from frontends.args import add_engine_args, engine_config_from_args
+from pagebus.bus.messages import SamplingParams
+from pagebus.frontends.args import add_engine_args, engine_config_from_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from frontends.llm import LLM
+    from pagebus.frontends.llm import LLM
 
     cfg = engine_config_from_args(args)
     llm = LLM(**_cfg_kwargs(cfg))
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     srv.add_argument("--log-level", default="INFO")
     add_engine_args(srv)
-    from frontends.http.options import add_serve_args
+    from pagebus.frontends.http.options import add_serve_args
 
     add_serve_args(srv)
     bat = sub.add_parser(
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bat.add_argument("--log-level", default="WARNING")
     add_engine_args(bat)
-    from frontends.batch.main import add_batch_args
+    from pagebus.frontends.batch.main import add_batch_args
 
     add_batch_args(bat)
     args = parser.parse_args(argv)
@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
-            from frontends.http.server import main as serve_main
+            from pagebus.frontends.http.server import main as serve_main
 
             return serve_main(args)
         if args.command == "run-batch":
-            from frontends.batch.main import main as batch_main
+            from pagebus.frontends.batch.main import main as batch_main
 
             return batch_main(args)
     except (ValueError, FileNotFoundError) as e:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from bus.messages import SamplingParams
+from pagebus.bus.messages import SamplingParams
 
 # Prompt tokens used as left context for the first output tokens. A few are enough: no decoder
 # looks further back than one token, and the window stays short.

@@ -25,10 +25,9 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
-
-from bus.codec import Codec
-from bus.config import EngineConfig
-from bus.messages import (
+from pagebus.bus.codec import Codec
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import (
     AbortRequest,
     DeltaBatch,
     DetokenizeRequest,
@@ -40,9 +39,9 @@ from bus.messages import (
     TokenizeRequest,
     TokenizeResult,
 )
-from bus.sockets import DEFAULT_HWM
-from frontends.launcher import Launcher
-from frontends.model_files import model_name, resolve_model
+from pagebus.bus.sockets import DEFAULT_HWM
+from pagebus.frontends.launcher import Launcher
+from pagebus.frontends.model_files import model_name, resolve_model
 
 log = logging.getLogger(__name__)
 

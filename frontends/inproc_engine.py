@@ -3,16 +3,16 @@ and worker processes run, called directly. Used by `LLM(...)` (the default) and 
 
 from __future__ import annotations
 
-from bus.config import EngineConfig
-from bus.messages import AbortRequest, AddRequest, SchedulerStats, SeqUpdate
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import AbortRequest, AddRequest, SchedulerStats, SeqUpdate
 
 
 class InprocEngine:
     def __init__(self, cfg: EngineConfig, model_path: str) -> None:
         # Heavy imports stay here: a frontend that never builds an in-process engine never
         # imports torch.
-        from scheduler.scheduler import Scheduler
-        from workers.runner import ModelRunner
+        from pagebus.scheduler.scheduler import Scheduler
+        from pagebus.workers.runner import ModelRunner
 
         self.runner = ModelRunner(cfg, model_path)
         self.max_model_len = self.runner.max_model_len

@@ -22,12 +22,11 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from bus.codec import Codec
-from bus.config import EngineConfig
-from bus.messages import Shutdown
-from bus.proc import BusProcess, Facts, ProcessMonitor, StartupError, shutdown, spawn, wait_ready
-from bus.sockets import make_runtime_dir, make_socket
+from pagebus.bus.codec import Codec
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import Shutdown
+from pagebus.bus.proc import BusProcess, Facts, ProcessMonitor, StartupError, shutdown, spawn, wait_ready
+from pagebus.bus.sockets import make_runtime_dir, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,9 @@ class Launcher:
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
         """Spawn every process. Call from a long-lived thread: PR_SET_PDEATHSIG follows the thread."""
-        from frontends.tokenizer_pool import pool_main
-        from scheduler.main import scheduler_main
-        from workers.main import worker_main  # imports torch only inside the worker process
+        from pagebus.frontends.tokenizer_pool import pool_main
+        from pagebus.scheduler.main import scheduler_main
+        from pagebus.workers.main import worker_main  # imports torch only inside the worker process
 
         cfg_bytes = msgspec.msgpack.encode(self.cfg)
         for i in range(self.n_pools):

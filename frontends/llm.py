@@ -1,6 +1,6 @@
 """The in-process Python API, as vLLM users know it:
 
-from frontends import LLM, SamplingParams
+from pagebus import LLM, SamplingParams
 llm = LLM()  # default model: SmolLM2-135M-Instruct
 outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
 """
@@ -13,13 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bus.config import EngineConfig, make_engine_config
-from bus.messages import AbortRequest, AddRequest, SamplingParams
-from bus.validation import check_sampling_params
-from frontends.model_files import resolve_model, tokenizer_dir
-from frontends.output_processor import OutputProcessor
-from frontends.outputs import RequestOutput
-from frontends.tokenizer import Tokenizer
+from pagebus.bus.config import EngineConfig, make_engine_config
+from pagebus.bus.messages import AbortRequest, AddRequest, SamplingParams
+from pagebus.bus.validation import check_sampling_params
+from pagebus.frontends.model_files import resolve_model, tokenizer_dir
+from pagebus.frontends.output_processor import OutputProcessor
+from pagebus.frontends.outputs import RequestOutput
+from pagebus.frontends.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
 
@@ -36,11 +36,11 @@ class LLM:
         self.tokenizer = Tokenizer(tokenizer_dir(cfg.tokenizer or path))
         self._mp: Any = None
         if multiprocess:
-            from frontends.mp_llm import MultiprocessBackend
+            from pagebus.frontends.mp_llm import MultiprocessBackend
 
             self.engine = self._mp = MultiprocessBackend(self.config, tokenizer_workers)
         else:
-            from frontends.inproc_engine import InprocEngine
+            from pagebus.frontends.inproc_engine import InprocEngine
 
             self.engine = InprocEngine(self.config, path)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -124,7 +124,7 @@ class LLM:
     def _generate_mp(
         self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None
     ) -> list[RequestOutput]:
-        from bus.messages import GenerateRequest
+        from pagebus.bus.messages import GenerateRequest
 
         reqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

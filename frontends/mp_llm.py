@@ -12,10 +12,10 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from bus.config import EngineConfig
-from bus.messages import GenerateRequest, RequestDelta, SamplingParams
-from frontends.engine_client import AsyncEngineClient
-from frontends.outputs import CompletionOutput, Logprob, RequestOutput
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import GenerateRequest, RequestDelta, SamplingParams
+from pagebus.frontends.engine_client import AsyncEngineClient
+from pagebus.frontends.outputs import CompletionOutput, Logprob, RequestOutput
 
 T = TypeVar("T")
 

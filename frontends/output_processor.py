@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.messages import FinishReason, SamplingParams, SeqUpdate
-from frontends.detokenizer import IncrementalDetokenizer
-from frontends.outputs import CompletionOutput, Logprob, RequestOutput
-from frontends.tokenizer import Tokenizer
+from pagebus.bus.messages import FinishReason, SamplingParams, SeqUpdate
+from pagebus.frontends.detokenizer import IncrementalDetokenizer
+from pagebus.frontends.outputs import CompletionOutput, Logprob, RequestOutput
+from pagebus.frontends.tokenizer import Tokenizer
 
 
 @dataclass

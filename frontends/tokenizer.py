@@ -20,8 +20,7 @@ import jinja2.nodes
 import jinja2.parser
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from frontends.model_files import resolve_model, tokenizer_dir
+from pagebus.frontends.model_files import resolve_model, tokenizer_dir
 
 # transformers' named special tokens, in its order (all_special_ids follows it).
 _SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

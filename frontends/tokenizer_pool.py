@@ -17,9 +17,8 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from bus.config import EngineConfig
-from bus.messages import (
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
@@ -40,12 +39,12 @@ from bus.messages import (
     TokenLogprobs,
     ToTokenizer,
 )
-from bus.sockets import Channel, make_socket
-from bus.validation import check_sampling_params
-from frontends.model_files import tokenizer_dir
-from frontends.output_processor import OutputProcessor
-from frontends.outputs import RequestOutput
-from frontends.tokenizer import Tokenizer
+from pagebus.bus.sockets import Channel, make_socket
+from pagebus.bus.validation import check_sampling_params
+from pagebus.frontends.model_files import tokenizer_dir
+from pagebus.frontends.output_processor import OutputProcessor
+from pagebus.frontends.outputs import RequestOutput
+from pagebus.frontends.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

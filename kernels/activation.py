@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels._cast import cast_rtne
+from pagebus.kernels._cast import cast_rtne
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels._cast import cast_rtne
+from pagebus.kernels._cast import cast_rtne
 
 
 def write_kv_cache_ref(

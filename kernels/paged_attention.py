@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels._cast import cast_rtne
+from pagebus.kernels._cast import cast_rtne
 
 _LOG2E = 1.4426950408889634
 

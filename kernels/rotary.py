@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels._cast import cast_rtne
+from pagebus.kernels._cast import cast_rtne
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from scheduler.hashing import BlockHash, BlockKey
+from pagebus.scheduler.hashing import BlockHash, BlockKey
 
 NULL_BLOCK_ID = 0
 

@@ -19,10 +19,9 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from bus.codec import Codec, pack_frames
-from bus.config import EngineConfig
-from bus.messages import (
+from pagebus.bus.codec import Codec, pack_frames
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
@@ -39,10 +38,10 @@ from bus.messages import (
     ToScheduler,
     WorkerFailed,
 )
-from bus.proc import BusProcess, StartupError, shutdown, spawn, wait_ready
-from bus.shm import ShmRingWriter
-from bus.sockets import Channel, make_socket
-from scheduler.scheduler import Scheduler
+from pagebus.bus.proc import BusProcess, StartupError, shutdown, spawn, wait_ready
+from pagebus.bus.shm import ShmRingWriter
+from pagebus.bus.sockets import Channel, make_socket
+from pagebus.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

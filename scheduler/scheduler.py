@@ -23,8 +23,8 @@ import bisect
 import operator
 import os
 
-from bus.config import EngineConfig
-from bus.messages import (
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import (
     AddRequest,
     BatchResult,
     CachedSeq,
@@ -35,9 +35,9 @@ from bus.messages import (
     SeqUpdate,
     TokenLogprobs,
 )
-from scheduler.block_pool import BlockPool, KVBlock
-from scheduler.hashing import root_hash
-from scheduler.sequence import SeqStatus, Sequence
+from pagebus.scheduler.block_pool import BlockPool, KVBlock
+from pagebus.scheduler.hashing import root_hash
+from pagebus.scheduler.sequence import SeqStatus, Sequence
 
 _sort_key = operator.attrgetter("sort_key")
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import enum
 
-from bus.messages import AddRequest, SamplingParams
-from scheduler import hashing
-from scheduler.block_pool import KVBlock
-from scheduler.hashing import BlockHash, BlockKey
+from pagebus.bus.messages import AddRequest, SamplingParams
+from pagebus.scheduler import hashing
+from pagebus.scheduler.block_pool import KVBlock
+from pagebus.scheduler.hashing import BlockHash, BlockKey
 
 
 class SeqStatus(enum.Enum):

@@ -34,14 +34,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def default_model() -> str:
-    from frontends.model_files import default_model_path
+    from pagebus.frontends.model_files import default_model_path
 
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def llm_fp32(default_model: str):
-    from frontends import LLM
+    from pagebus import LLM
 
     return LLM(default_model, dtype="float32", seed=0)
 

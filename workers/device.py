@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from bus.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from workers.model_config import ModelConfig
+from pagebus.bus.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagebus.workers.model_config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from workers.ops import Ops
+from pagebus.workers.ops import Ops
 
 
 @dataclass

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from pagebus.workers.model_config import ModelConfig, config_from_gguf, config_from_hf
 from torch import nn
-
-from workers.model_config import ModelConfig, config_from_gguf, config_from_hf
 
 WeightIter = Iterator[tuple[str, torch.Tensor]]
 

@@ -16,10 +16,9 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from bus.codec import Codec, unpack_frames
-from bus.config import EngineConfig
-from bus.messages import (
+from pagebus.bus.codec import Codec, unpack_frames
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import (
     PROTOCOL_VERSION,
     BatchResult,
     ExecuteBatch,
@@ -29,8 +28,8 @@ from bus.messages import (
     ToWorker,
     WorkerFailed,
 )
-from bus.shm import RingHandle, ShmRingReader
-from bus.sockets import Channel, make_socket
+from pagebus.bus.shm import RingHandle, ShmRingReader
+from pagebus.bus.sockets import Channel, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +70,7 @@ def _run(
 ) -> None:
     # Heavy import here, after Hello: the parent learns at once that the process started.
     import torch
-
-    from workers.runner import ModelRunner
+    from pagebus.workers.runner import ModelRunner
 
     runner = ModelRunner(cfg, model_path, rank)  # sets torch threads from cfg.num_threads
     mc = runner.model_config

@@ -26,11 +26,11 @@ class Ops:
 
 
 def torch_ops() -> Ops:
-    from kernels.activation import silu_and_mul_ref
-    from kernels.kv_cache_write import write_kv_cache_ref
-    from kernels.paged_attention import paged_attention_ref
-    from kernels.rms_norm import rms_norm_ref
-    from kernels.rotary import rotary_embedding_ref
+    from pagebus.kernels.activation import silu_and_mul_ref
+    from pagebus.kernels.kv_cache_write import write_kv_cache_ref
+    from pagebus.kernels.paged_attention import paged_attention_ref
+    from pagebus.kernels.rms_norm import rms_norm_ref
+    from pagebus.kernels.rotary import rotary_embedding_ref
 
     return Ops(
         "torch", rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, write_kv_cache_ref, paged_attention_ref
@@ -38,11 +38,11 @@ def torch_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    from kernels.activation import silu_and_mul
-    from kernels.kv_cache_write import write_kv_cache
-    from kernels.paged_attention import paged_attention
-    from kernels.rms_norm import rms_norm
-    from kernels.rotary import rotary_embedding
+    from pagebus.kernels.activation import silu_and_mul
+    from pagebus.kernels.kv_cache_write import write_kv_cache
+    from pagebus.kernels.paged_attention import paged_attention
+    from pagebus.kernels.rms_norm import rms_norm
+    from pagebus.kernels.rotary import rotary_embedding
 
     return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, write_kv_cache, paged_attention)
 

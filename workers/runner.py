@@ -11,16 +11,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from bus.config import EngineConfig
-from bus.messages import BatchResult, ExecuteBatch, SamplingParams
-from workers.device import num_kv_blocks, pick_device, pick_dtype
-from workers.forward_batch import ForwardBatch
-from workers.loader import is_gguf, iter_gguf, iter_safetensors, load_weights, read_config
-from workers.model_config import ModelConfig
-from workers.models import model_class
-from workers.ops import select_ops
-from workers.sampling import Sampler, SampleRow
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import BatchResult, ExecuteBatch, SamplingParams
+from pagebus.workers.device import num_kv_blocks, pick_device, pick_dtype
+from pagebus.workers.forward_batch import ForwardBatch
+from pagebus.workers.loader import is_gguf, iter_gguf, iter_safetensors, load_weights, read_config
+from pagebus.workers.model_config import ModelConfig
+from pagebus.workers.models import model_class
+from pagebus.workers.ops import select_ops
+from pagebus.workers.sampling import Sampler, SampleRow
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-
-from bus.messages import SamplingParams, TokenLogprobs
+from pagebus.bus.messages import SamplingParams, TokenLogprobs
 
 
 @dataclass

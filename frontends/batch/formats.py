@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-
-from frontends.http.errors import APIError, ErrorInfo, ErrorResponse, bad_request
-from frontends.http.handler import Kind
-from frontends.http.protocol import Response
+from pagebus.frontends.http.errors import APIError, ErrorInfo, ErrorResponse, bad_request
+from pagebus.frontends.http.handler import Kind
+from pagebus.frontends.http.protocol import Response
 
 Form = Literal["batch", "short"]
 URLS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
-from frontends.batch.resume import count_lines, load_answered
+from pagebus.frontends.batch.resume import count_lines, load_answered
 
 logger = logging.getLogger("pagebus.batch")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -67,10 +67,10 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 async def _run(args: argparse.Namespace, fd: int, out: BinaryIO, answered: set[Any]) -> int:
-    from frontends.args import engine_config_from_args
-    from frontends.batch.runner import LineReader, Runner, lazy_token_text
-    from frontends.engine_client import AsyncEngineClient
-    from frontends.http.handler import Context
+    from pagebus.frontends.args import engine_config_from_args
+    from pagebus.frontends.batch.runner import LineReader, Runner, lazy_token_text
+    from pagebus.frontends.engine_client import AsyncEngineClient
+    from pagebus.frontends.http.handler import Context
 
     cfg = engine_config_from_args(args)
     client = await AsyncEngineClient.start(

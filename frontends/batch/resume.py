@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from frontends.batch.formats import answered_keys
+from pagebus.frontends.batch.formats import answered_keys
 
 _CHUNK = 1 << 20
 

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, TypeVar
 
-from frontends.batch.formats import Line, Outcome, api_failure, line_failure, parse_line, success
-from frontends.http import handler as H
-from frontends.http.errors import APIError, bad_request
+from pagebus.frontends.batch.formats import Line, Outcome, api_failure, line_failure, parse_line, success
+from pagebus.frontends.http import handler as H
+from pagebus.frontends.http.errors import APIError, bad_request
 
 logger = logging.getLogger("pagebus.batch")
 T = TypeVar("T")
@@ -251,7 +251,7 @@ def lazy_token_text(model_path: str, tokenizer: str | None) -> Callable[[int], s
     @lru_cache(maxsize=65536)
     def token_text(token_id: int) -> str:
         if not tok:
-            from frontends.tokenizer import Tokenizer
+            from pagebus.frontends.tokenizer import Tokenizer
 
             tok.append(Tokenizer.from_model(model_path, tokenizer))
         return str(tok[0].decode([token_id], skip_special_tokens=False))

@@ -17,11 +17,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
-
-from bus.messages import GenerateRequest, RequestDelta, SchedulerStats, TokenizeRequest, TokenizeResult
-from frontends.http import handler as H
-from frontends.http import protocol as P
-from frontends.http.asgi import (
+from pagebus.bus.messages import (
+    GenerateRequest,
+    RequestDelta,
+    SchedulerStats,
+    TokenizeRequest,
+    TokenizeResult,
+)
+from pagebus.frontends.http import handler as H
+from pagebus.frontends.http import protocol as P
+from pagebus.frontends.http.asgi import (
     JSON_HEADERS,
     ClientGone,
     Receive,
@@ -30,12 +35,12 @@ from frontends.http.asgi import (
     Send,
     until_disconnect,
 )
-from frontends.http.auth import bearer_ok
-from frontends.http.errors import APIError, bad_request, engine_dead, is_engine_dead
-from frontends.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from frontends.http.metrics import Metrics, RequestTimer
-from frontends.http.openapi import openapi_spec
-from frontends.http.streaming import DONE, SSE_HEADERS, ResponseBuilder, sse
+from pagebus.frontends.http.auth import bearer_ok
+from pagebus.frontends.http.errors import APIError, bad_request, engine_dead, is_engine_dead
+from pagebus.frontends.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagebus.frontends.http.metrics import Metrics, RequestTimer
+from pagebus.frontends.http.openapi import openapi_spec
+from pagebus.frontends.http.streaming import DONE, SSE_HEADERS, ResponseBuilder, sse
 
 logger = logging.getLogger("pagebus.http")
 _json = msgspec.json.Encoder()

@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
-
-from bus.messages import RequestDelta
-from frontends.http.errors import APIError, bad_request
+from pagebus.bus.messages import RequestDelta
+from pagebus.frontends.http.errors import APIError, bad_request
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from bus.messages import GenerateRequest, RequestDelta
-from frontends.http import protocol as P
-from frontends.http.asgi import closing, merge
-from frontends.http.errors import delta_error, engine_dead, is_engine_dead
-from frontends.http.streaming import ResponseBuilder
+from pagebus.bus.messages import GenerateRequest, RequestDelta
+from pagebus.frontends.http import protocol as P
+from pagebus.frontends.http.asgi import closing, merge
+from pagebus.frontends.http.errors import delta_error, engine_dead, is_engine_dead
+from pagebus.frontends.http.streaming import ResponseBuilder
 
 Kind = Literal["completion", "chat"]
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from pagebus.bus.messages import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from bus.messages import SchedulerStats
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

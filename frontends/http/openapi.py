@@ -6,9 +6,8 @@ from functools import cache
 from typing import Any
 
 import msgspec
-
-from frontends.http import protocol as P
-from frontends.http.errors import ErrorResponse
+from pagebus.frontends.http import protocol as P
+from pagebus.frontends.http.errors import ErrorResponse
 
 _REF = "#/components/schemas/{name}"
 

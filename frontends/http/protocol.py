@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from bus.messages import ChatMessage, SamplingParams
-from bus.validation import check_sampling_params
-from frontends.http.errors import APIError, bad_request, from_validation_error, from_value_error
+from pagebus.bus.messages import ChatMessage, SamplingParams
+from pagebus.bus.validation import check_sampling_params
+from pagebus.frontends.http.errors import APIError, bad_request, from_validation_error, from_value_error
 
 
 class StreamOptions(msgspec.Struct):

@@ -21,10 +21,9 @@ from functools import lru_cache
 from types import FrameType
 
 import uvicorn
-
-from frontends.args import engine_config_from_args
-from frontends.http.app import App, Settings
-from frontends.http.options import api_key_from
+from pagebus.frontends.args import engine_config_from_args
+from pagebus.frontends.http.app import App, Settings
+from pagebus.frontends.http.options import api_key_from
 
 logger = logging.getLogger("pagebus.http")
 
@@ -69,7 +68,7 @@ def _ready_line(host: str, port: int, model: str, api_key: str | None) -> str:
 
 def _token_text_fn(model: str | None, tokenizer: str | None):  # type: ignore[no-untyped-def]
     """Token id -> text for logprobs, from a tokenizer in this process (cheap: tokenizers only)."""
-    from frontends.tokenizer import Tokenizer
+    from pagebus.frontends.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(model, tokenizer)
 
@@ -98,7 +97,7 @@ async def _watch_engine(client: object, server: _Server) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from frontends.engine_client import AsyncEngineClient
+    from pagebus.frontends.engine_client import AsyncEngineClient
 
     cfg = engine_config_from_args(args)
     api_key = api_key_from(args)

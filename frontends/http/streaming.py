@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-
-from bus.messages import RequestDelta, TokenLogprobs
-from frontends.http.errors import ErrorResponse
-from frontends.http.protocol import (
+from pagebus.bus.messages import RequestDelta, TokenLogprobs
+from pagebus.frontends.http.errors import ErrorResponse
+from pagebus.frontends.http.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatLogprobs,

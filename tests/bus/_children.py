@@ -12,11 +12,10 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from bus.messages import PROTOCOL_VERSION, Hello, Ready
-from bus.proc import spawn
-from bus.shm import RingHandle, ShmRingReader
-from bus.sockets import Channel
+from pagebus.bus.messages import PROTOCOL_VERSION, Hello, Ready
+from pagebus.bus.proc import spawn
+from pagebus.bus.shm import RingHandle, ShmRingReader
+from pagebus.bus.sockets import Channel
 
 
 def _block() -> None:

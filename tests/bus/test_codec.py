@@ -5,9 +5,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-
-from bus.codec import Codec, check_channel_union, pack_frames, unpack_frames
-from bus.messages import BatchResult, ExecuteBatch, FromWorker, Shutdown, ToWorker, WorkerFailed
+from pagebus.bus.codec import Codec, check_channel_union, pack_frames, unpack_frames
+from pagebus.bus.messages import BatchResult, ExecuteBatch, FromWorker, Shutdown, ToWorker, WorkerFailed
 
 
 class Tokens(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="tok", tag_field="t"):

@@ -6,12 +6,11 @@ import types
 from typing import Any
 
 import msgspec
+import pagebus.bus.messages as m
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import bus.messages as m
-from bus.codec import Codec, check_channel_union, union_members
+from pagebus.bus.codec import Codec, check_channel_union, union_members
 
 CHANNELS: dict[str, Any] = {
     "ToScheduler": m.ToScheduler,

@@ -12,9 +12,17 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import zmq
+from pagebus.bus.proc import (
+    BusProcess,
+    ProcessMonitor,
+    StartupError,
+    describe_exit,
+    shutdown,
+    spawn,
+    wait_ready,
+)
+from pagebus.bus.sockets import RuntimeDir, make_runtime_dir, make_socket
 
-from bus.proc import BusProcess, ProcessMonitor, StartupError, describe_exit, shutdown, spawn, wait_ready
-from bus.sockets import RuntimeDir, make_runtime_dir, make_socket
 from tests.bus import _children as kids
 
 CTX = multiprocessing.get_context("spawn")

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import msgspec
 import psutil
 import pytest
+from pagebus.bus.proc import shutdown, spawn
+from pagebus.bus.shm import PeerDied, ShmRingReader, ShmRingWriter
+from pagebus.bus.sockets import RuntimeDir, make_runtime_dir
 
-from bus.proc import shutdown, spawn
-from bus.shm import PeerDied, ShmRingReader, ShmRingWriter
-from bus.sockets import RuntimeDir, make_runtime_dir
 from tests.bus import _children as kids
 
 CTX = multiprocessing.get_context("spawn")

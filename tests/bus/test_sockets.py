@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-
-from bus.messages import AbortRequest, ToScheduler
-from bus.sockets import Channel, make_endpoint, make_runtime_dir, make_socket
+from pagebus.bus.messages import AbortRequest, ToScheduler
+from pagebus.bus.sockets import Channel, make_endpoint, make_runtime_dir, make_socket
 
 
 @pytest.fixture

@@ -12,10 +12,9 @@ import sys
 import time
 
 import psutil
-
-from bus.config import EngineConfig
-from bus.messages import GenerateRequest, SamplingParams
-from frontends.engine_client import AsyncEngineClient
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import GenerateRequest, SamplingParams
+from pagebus.frontends.engine_client import AsyncEngineClient
 
 
 def cpu_seconds(pids: list[int]) -> float:

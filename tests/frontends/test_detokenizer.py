@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pagebus.bus.messages import SamplingParams
+from pagebus.frontends.detokenizer import DetokResult, IncrementalDetokenizer
+from pagebus.frontends.tokenizer import Tokenizer
 
-from bus.messages import SamplingParams
-from frontends.detokenizer import DetokResult, IncrementalDetokenizer
-from frontends.tokenizer import Tokenizer
 from tests.frontends.tokenizer_fixtures import shared_tokenizer_dir
 
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

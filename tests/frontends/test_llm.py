@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from pagebus.bus.messages import SamplingParams
 
-from bus.messages import SamplingParams
 from tests.workers.oracle import first_divergence
 
 WORDS = [
@@ -122,7 +122,7 @@ def test_bad_sampling_params_raise_clear_errors(llm_fp32) -> None:
 )
 def test_cli_user_errors_are_one_line(argv: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "frontends.cli", "generate", "hi", *argv],
+        [sys.executable, "-m", "pagebus.frontends.cli", "generate", "hi", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -133,7 +133,7 @@ def test_cli_user_errors_are_one_line(argv: list[str], message: str) -> None:
 
 def test_cli_generate_greedy(default_model: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "frontends.cli", "generate", "The capital of France is", "--max-tokens", "4", "--json", "--log-level", "WARNING"],
+        [sys.executable, "-m", "pagebus.frontends.cli", "generate", "The capital of France is", "--max-tokens", "4", "--json", "--log-level", "WARNING"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

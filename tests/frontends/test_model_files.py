@@ -10,15 +10,15 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from frontends import model_files
-from frontends.model_files import (
+from pagebus.frontends import model_files
+from pagebus.frontends.model_files import (
     ModelNotFoundError,
     default_model_path,
     model_name,
     resolve_model,
     tokenizer_dir,
 )
+
 from tests.frontends.tokenizer_fixtures import shared_tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,11 +155,11 @@ def test_frontend_modules_import_neither_torch_nor_transformers(
     cache = str(tmp_path_factory.getbasetemp() / "pagebus-cache")
     code = f"""
 import sys
-import frontends.tokenizer, frontends.detokenizer
-from frontends.model_files import default_model_path, tokenizer_dir
-from frontends.tokenizer import Tokenizer
-from frontends.detokenizer import IncrementalDetokenizer
-from bus.messages import SamplingParams
+import pagebus.frontends.tokenizer, pagebus.frontends.detokenizer
+from pagebus.frontends.model_files import default_model_path, tokenizer_dir
+from pagebus.frontends.tokenizer import Tokenizer
+from pagebus.frontends.detokenizer import IncrementalDetokenizer
+from pagebus.bus.messages import SamplingParams
 d = tokenizer_dir(default_model_path(), cache_dir={cache!r})
 assert d == {d!r}, d
 tok = Tokenizer(d)

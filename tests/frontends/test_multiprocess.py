@@ -7,9 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from bus.messages import GenerateRequest, SamplingParams, TokenizeRequest
-from frontends.engine_client import AsyncEngineClient
+from pagebus.bus.messages import GenerateRequest, SamplingParams, TokenizeRequest
+from pagebus.frontends.engine_client import AsyncEngineClient
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def mp_llm(default_model: str) -> Iterator[Any]:
-    from frontends import LLM
+    from pagebus import LLM
 
     llm = LLM(default_model, dtype="float32", seed=0, multiprocess=True)
     yield llm
@@ -89,7 +88,7 @@ def test_invalid_requests_are_rejected_as_invalid_request(mp_llm: Any) -> None:
 def test_first_delta_carries_the_prompt_and_echo(mp_llm: Any) -> None:
     p = SamplingParams(max_tokens=3, temperature=0.0)
     msgs = [{"role": "user", "content": "Hi"}]
-    from bus.messages import ChatMessage
+    from pagebus.bus.messages import ChatMessage
 
     req = GenerateRequest(request_id="chat-1", params=p, messages=[ChatMessage(**m) for m in msgs], echo=True)
     deltas = _collect(mp_llm, req)

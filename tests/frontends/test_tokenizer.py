@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pagebus.frontends.model_files import default_model_path
+from pagebus.frontends.tokenizer import ChatTemplateError, Tokenizer
 
-from frontends.model_files import default_model_path
-from frontends.tokenizer import ChatTemplateError, Tokenizer
 from tests.frontends.tokenizer_fixtures import shared_tokenizer_dir
 
 TEXTS = [

@@ -7,8 +7,7 @@ conversion (~6 s, transformers) happens on the first call; later calls reuse the
 from __future__ import annotations
 
 import pytest
-
-from frontends.model_files import default_model_path, tokenizer_dir
+from pagebus.frontends.model_files import default_model_path, tokenizer_dir
 
 
 def shared_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:

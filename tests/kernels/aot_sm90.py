@@ -17,14 +17,18 @@ import tempfile
 from typing import Any
 
 import triton
+from pagebus.kernels.activation import _silu_and_mul_kernel
+from pagebus.kernels.kv_cache_write import _write_kv_cache_kernel
+from pagebus.kernels.paged_attention import (
+    PagedAttentionOptions,
+    _merge_splits_kernel,
+    _paged_attn_kernel,
+    _tiling,
+)
+from pagebus.kernels.rms_norm import _rms_norm_kernel
+from pagebus.kernels.rotary import _rotary_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from kernels.activation import _silu_and_mul_kernel
-from kernels.kv_cache_write import _write_kv_cache_kernel
-from kernels.paged_attention import PagedAttentionOptions, _merge_splits_kernel, _paged_attn_kernel, _tiling
-from kernels.rms_norm import _rms_norm_kernel
-from kernels.rotary import _rotary_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagebus.kernels.activation import silu_and_mul, silu_and_mul_ref
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
 from tests.kernels.paged_batch import DEVICE
 
 # silu(gate) is rounded to the input dtype before the product, as in the ref; exp() differs by an

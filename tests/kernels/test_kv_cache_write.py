@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagebus.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from tests.kernels.paged_batch import DEVICE
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagebus.kernels.paged_attention import PagedAttentionOptions, paged_attention, paged_attention_ref
 
-from kernels.paged_attention import PagedAttentionOptions, paged_attention, paged_attention_ref
 from tests.kernels.paged_batch import DEVICE, make_batch
 
 MIXED = [(1, 1328), (5, 18), (129, 463)]  # (query_len, cached context): decode + prefill chunks

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagebus.kernels.rms_norm import rms_norm, rms_norm_ref
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
 from tests.kernels.paged_batch import DEVICE
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

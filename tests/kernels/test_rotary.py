@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagebus.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
-from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from tests.kernels.paged_batch import DEVICE
 
 

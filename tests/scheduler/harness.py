@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from bus.config import EngineConfig
-from bus.messages import (
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import (
     AddRequest,
     BatchResult,
     CachedSeq,
@@ -25,9 +25,9 @@ from bus.messages import (
     SamplingParams,
     SeqUpdate,
 )
-from scheduler import hashing
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import SeqStatus
+from pagebus.scheduler import hashing
+from pagebus.scheduler.scheduler import Scheduler
+from pagebus.scheduler.sequence import SeqStatus
 
 
 def fake_token(token_sum: int, sample_index: int) -> int:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from scheduler import hashing
-from scheduler.block_pool import BlockPool
-from scheduler.hashing import BlockHash, BlockKey
+from pagebus.scheduler import hashing
+from pagebus.scheduler.block_pool import BlockPool
+from pagebus.scheduler.hashing import BlockHash, BlockKey
 
 ROOT = hashing.root_hash(b"seed")
 

@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from scheduler import hashing
-from scheduler.block_pool import BlockPool, KVBlock
-from scheduler.hashing import BlockHash, BlockKey
+from pagebus.scheduler import hashing
+from pagebus.scheduler.block_pool import BlockPool, KVBlock
+from pagebus.scheduler.hashing import BlockHash, BlockKey
 
 ROOT = hashing.root_hash(b"state-machine")
 NUM_BLOCKS = 9

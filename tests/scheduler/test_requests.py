@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from pagebus.bus.messages import BatchResult, FinishReason, TokenLogprobs
 
-from bus.messages import BatchResult, FinishReason, TokenLogprobs
 from tests.scheduler.harness import (
     assert_pool_whole,
     expected_output,
@@ -206,5 +206,5 @@ def test_stats_count_sequences_blocks_and_steps() -> None:
 
 
 def test_scheduler_does_not_import_torch() -> None:
-    code = "import sys, scheduler.scheduler; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, pagebus.scheduler.scheduler; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

@@ -4,11 +4,11 @@ exact block ids on small hand-made cases."""
 from __future__ import annotations
 
 import pytest
+from pagebus.bus.messages import FinishReason
+from pagebus.scheduler import hashing
+from pagebus.scheduler.hashing import BlockHash
+from pagebus.scheduler.scheduler import Scheduler
 
-from bus.messages import FinishReason
-from scheduler import hashing
-from scheduler.hashing import BlockHash
-from scheduler.scheduler import Scheduler
 from tests.scheduler.harness import (
     Outputs,
     assert_pool_whole,

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from pagebus.bus.messages import FinishReason, SeqUpdate
+from pagebus.scheduler.scheduler import Scheduler
 
-from bus.messages import FinishReason, SeqUpdate
-from scheduler.scheduler import Scheduler
 from tests.scheduler.harness import (
     FakeWorker,
     Outputs,

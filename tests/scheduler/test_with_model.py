@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from bus.config import EngineConfig
-from bus.messages import AddRequest, SamplingParams
-from scheduler.scheduler import Scheduler
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import AddRequest, SamplingParams
+from pagebus.scheduler.scheduler import Scheduler
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

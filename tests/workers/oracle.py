@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from bus.messages import ExecuteBatch, NewSeq, SamplingParams
-from workers.runner import ModelRunner
+from pagebus.bus.messages import ExecuteBatch, NewSeq, SamplingParams
+from pagebus.workers.runner import ModelRunner
 
 PROMPTS = [
     "The capital of France is",
@@ -51,7 +50,7 @@ def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         ExecuteBatch(step_id=-1, new_seqs=[], cached_seqs=[], finished_seq_ids=[seq_id])
     )  # drop any earlier copy
     ns = NewSeq(seq_id, ids, len(ids), params, list(range(1, nblocks + 1)), 0, len(ids))
-    from workers.runner import _Seq
+    from pagebus.workers.runner import _Seq
 
     runner.seqs[seq_id] = _Seq(list(ids), len(ids), params, list(ns.block_ids), 0)
     fb, _ = runner._prepare([(seq_id, 0, len(ids))])

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from bus.config import EngineConfig
-from bus.messages import CachedSeq, ExecuteBatch, NewSeq, SamplingParams
-from workers.runner import ModelRunner
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import CachedSeq, ExecuteBatch, NewSeq, SamplingParams
+from pagebus.workers.runner import ModelRunner
 
 COMMON = dict(
     vocab_size=256,
@@ -96,7 +95,7 @@ def test_sharded_checkpoint_uses_index(tmp_path) -> None:
 def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
     import json
 
-    from workers.model_config import UnsupportedModelError
+    from pagebus.workers.model_config import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
     with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):

@@ -8,8 +8,8 @@ one prompt may diverge at all.
 from __future__ import annotations
 
 import torch
+from pagebus.bus.messages import SamplingParams
 
-from bus.messages import SamplingParams
 from tests.workers.oracle import PROMPTS, first_divergence, hf_greedy, prefill_logits
 
 NEW_TOKENS = 64

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-
-from bus.messages import SamplingParams
-from workers.sampling import Sampler, SampleRow
+from pagebus.bus.messages import SamplingParams
+from pagebus.workers.sampling import Sampler, SampleRow
 
 VOCAB = 64
 

@@ -4,12 +4,12 @@ greedy tokens, through the real scheduler: prefill chunks, decodes and a prefix-
 from __future__ import annotations
 
 import pytest
+from pagebus.bus.config import EngineConfig
+from pagebus.bus.messages import AddRequest, SamplingParams
+from pagebus.scheduler.scheduler import Scheduler
+from pagebus.workers.runner import ModelRunner
 
-from bus.config import EngineConfig
-from bus.messages import AddRequest, SamplingParams
-from scheduler.scheduler import Scheduler
 from tests.workers.test_architectures import _save
-from workers.runner import ModelRunner
 
 
 def _greedy_tokens(path: str, backend: str, dtype: str) -> dict[str, list[int]]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from pagebus.workers.model_config import ModelConfig
 from torch import nn
-
-from workers.model_config import ModelConfig
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    from workers.models.llama import LlamaForCausalLM
-    from workers.models.qwen2 import Qwen2ForCausalLM
-    from workers.models.qwen3 import Qwen3ForCausalLM
+    from pagebus.workers.models.llama import LlamaForCausalLM
+    from pagebus.workers.models.qwen2 import Qwen2ForCausalLM
+    from pagebus.workers.models.qwen3 import Qwen3ForCausalLM
 
     return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}[cfg.family]

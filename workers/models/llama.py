@@ -8,12 +8,11 @@ the checkpoint's separate matrices into the fused parameters.
 from __future__ import annotations
 
 import torch
+from pagebus.workers.forward_batch import ForwardBatch
+from pagebus.workers.layers.linear import Embedding, Linear
+from pagebus.workers.layers.rotary import build_cos_sin_cache
+from pagebus.workers.model_config import ModelConfig
 from torch import nn
-
-from workers.forward_batch import ForwardBatch
-from workers.layers.linear import Embedding, Linear
-from workers.layers.rotary import build_cos_sin_cache
-from workers.model_config import ModelConfig
 
 _FUSED = {
     "q_proj": ("qkv_proj", "q"),

@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5: the Llama decoder with a bias on the fused QKV projection
 (ModelConfig.qkv_bias is true for the qwen2 family)."""
 
-from workers.models.llama import LlamaForCausalLM
+from pagebus.workers.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from bus.messages import FinishReason, GenerateRequest, RequestDelta, SampleDelta
-from frontends.batch.formats import parse_line
-from frontends.batch.resume import count_lines, load_answered
-from frontends.batch.runner import Runner, iter_lines
-from frontends.http.handler import Context
+from pagebus.bus.messages import FinishReason, GenerateRequest, RequestDelta, SampleDelta
+from pagebus.frontends.batch.formats import parse_line
+from pagebus.frontends.batch.resume import count_lines, load_answered
+from pagebus.frontends.batch.runner import Runner, iter_lines
+from pagebus.frontends.http.handler import Context
 
 CTX = Context("m", vocab_size=1000)
 

@@ -35,7 +35,7 @@ class Expect:
 
 
 def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "frontends.cli", "run-batch", "--dtype", "float32", "--max-model-len", MAX_LEN, *args]  # fmt: skip
+    return [sys.executable, "-m", "pagebus.frontends.cli", "run-batch", "--dtype", "float32", "--max-model-len", MAX_LEN, *args]  # fmt: skip
 
 
 def _valid(i: int, rng: random.Random) -> tuple[str, dict[str, Any]]:

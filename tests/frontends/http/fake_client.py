@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-
-from bus.messages import (
+from pagebus.bus.messages import (
     FinishReason,
     GenerateRequest,
     RequestDelta,
@@ -24,7 +23,7 @@ from bus.messages import (
     TokenizeResult,
     TokenLogprobs,
 )
-from frontends.engine_client import EngineDeadError, EngineInfo
+from pagebus.frontends.engine_client import EngineDeadError, EngineInfo
 
 
 def fake_info() -> EngineInfo:

@@ -79,7 +79,7 @@ def free_port() -> int:
 def run_server(*extra: str, api_key: str | None = None) -> Iterator[Server]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="pagebus-serve-", suffix=".log", delete=False)  # noqa: SIM115
-    cmd = [sys.executable, "-m", "frontends.cli", "serve", "--dtype", "float32", "--port", str(port)]
+    cmd = [sys.executable, "-m", "pagebus.frontends.cli", "serve", "--dtype", "float32", "--port", str(port)]
     cmd += [*extra, *(["--api-key", api_key] if api_key else [])]
     # A new session: signals meant for pytest's process group never reach the server (and the
     # drain test signals only the server, as an orchestrator would).

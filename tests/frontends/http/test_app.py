@@ -6,19 +6,19 @@ import asyncio
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from bus.messages import SchedulerStats
-from frontends.http.app import App, Settings
-from frontends.http.auth import bearer_ok
-from frontends.http.errors import APIError
-from frontends.http.protocol import (
+from pagebus.bus.messages import SchedulerStats
+from pagebus.frontends.http.app import App, Settings
+from pagebus.frontends.http.auth import bearer_ok
+from pagebus.frontends.http.errors import APIError
+from pagebus.frontends.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_body,
     prompts,
     sampling_params,
 )
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.frontends.http.fake_client import FakeEngineClient, call, sse_events
 
 KEY = {"Authorization": "Bearer sk-test"}
