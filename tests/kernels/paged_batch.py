@@ -53,14 +53,15 @@ def make_batch(
     for i, n in enumerate(pages):
         tables[i, :n] = ids[start : start + n].to(torch.int32)
         start += n
-    kv[ids] = torch.randn(len(ids), *kv.shape[1:], generator=g).to(kv.dtype)
+    kv[ids.to(kv.device)] = torch.randn(len(ids), *kv.shape[1:], generator=g).to(kv.device, kv.dtype)
+    kv = kv.to(DEVICE)  # whole, so the K/V halves keep their interleaved strides on a GPU too
     q = torch.randn(sum(n for n, _ in seqs), num_heads, head_dim, generator=g).to(dtype)
     qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor([n for n, _ in seqs], dtype=torch.int32).cumsum(0)
     return PagedBatch(
         q.to(DEVICE),
-        kv[:, 0].to(DEVICE),
-        kv[:, 1].to(DEVICE),
+        kv[:, 0],
+        kv[:, 1],
         tables.to(DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         qsl.to(DEVICE),

@@ -103,11 +103,12 @@ def test_head_dim_padding_and_out_buffer() -> None:
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_block_offsets_past_int32(num_splits: int) -> None:
     """block_id * stride_kb > 2**31 elements: catches int32 index overflow. The 4 GiB fp16
-    buffer is allocated but only the pages in use are touched (virtual memory on CPU)."""
+    buffer is allocated where the kernel runs; only the pages in use are touched (virtual
+    memory on CPU)."""
     block_size, kvh, hd = 16, 2, 16
     per_block = 2 * block_size * kvh * hd  # K and V pages interleaved: stride_kb = 1024
     num_blocks = 2**31 // per_block + 64
-    kv = torch.empty(num_blocks, 2, block_size, kvh, hd, dtype=torch.float16)
+    kv = torch.empty(num_blocks, 2, block_size, kvh, hd, dtype=torch.float16, device=DEVICE)
     batch = make_batch([(1, 40), (9, 23)], 4, kvh, hd, block_size, kv=kv, seed=6)
     assert int(batch.block_tables[:, 0].min()) * batch.k_cache.stride(0) > 2**31
     _check(batch, options=PagedAttentionOptions(num_splits=num_splits))
