@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 # On machines without an NVIDIA driver, pin the CPU wheel so pip never pulls a CUDA build.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test typecheck lint bench clean
 
 setup: $(VENV)/.pagebus-setup
 
@@ -24,6 +24,18 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# mypy cannot follow pyproject's package-dir mapping, so it checks a tree of links,
+# build/typecheck/pagebus/<folder> -> <folder> (configuration: [tool.mypy] in pyproject.toml),
+# and the report names the real files. Cold (fresh clone) about 2 minutes, then seconds.
+TYPECHECK_PKG := build/typecheck/pagebus
+TYPECHECK_DIRS := bus scheduler workers frontends kernels
+
+typecheck: setup
+	@rm -rf build/typecheck && mkdir -p $(TYPECHECK_PKG)
+	@ln -s ../../../pagebus/__init__.py $(TYPECHECK_PKG)/__init__.py
+	@for d in $(TYPECHECK_DIRS); do ln -s ../../../$$d $(TYPECHECK_PKG)/$$d; done
+	@$(VENV)/bin/mypy > build/typecheck.log; rc=$$?; sed 's|^$(TYPECHECK_PKG)/||' build/typecheck.log; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

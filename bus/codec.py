@@ -137,7 +137,7 @@ class Codec:
                 data = arr.tobytes()
             else:
                 data = len(self._aux_out) + 1  # frame index; frame 0 is the body
-                self._aux_out.append(memoryview(arr).cast("B"))
+                self._aux_out.append(arr.data.cast("B"))  # arr.data is memoryview(arr), typed
             payload = msgspec.msgpack.encode((arr.dtype.str, arr.shape, data))
             return msgspec.msgpack.Ext(EXT_NDARRAY, payload)
         if isinstance(obj, np.integer):  # e.g. a token id from argmax: lossless as int

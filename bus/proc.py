@@ -241,7 +241,7 @@ class ProcessMonitor:
             if self._stop_r in ready or self._stopped:
                 return
             for s in ready:
-                p = alive.pop(s)  # type: ignore[call-overload]
+                p = alive.pop(s)  # type: ignore[arg-type]  # wait() typed wide; here only sentinels (ints)
                 p.join(1.0)
                 logger.error("%s (pid %s) %s", p.tag, p.pid, describe_exit(p.exitcode))
                 try:

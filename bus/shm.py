@@ -116,6 +116,13 @@ def _align(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
+def _mapped(shm: SharedMemory) -> memoryview:
+    buf = shm.buf
+    if buf is None:  # typed Optional: None only after close(), never for a segment just opened
+        raise ValueError(f"shm segment {shm.name} is closed")
+    return buf
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -158,7 +165,7 @@ class ShmRingWriter:
         self._lay = lay = _Layout(n_readers, n_chunks, max_chunk_bytes)
         name = f"pagebus_{os.getpid()}_{secrets.token_hex(4)}"  # unique per engine, never fixed
         self._shm = SharedMemory(name=name, create=True, size=lay.size)
-        self._buf = self._shm.buf
+        self._buf = _mapped(self._shm)
         self._buf[: lay.data] = bytes(lay.data)
         _HEADER.pack_into(self._buf, 0, MAGIC, n_readers, n_chunks, 0, max_chunk_bytes, os.getpid())
         # Queue bound: per reader at most n_chunks overflow payloads plus n_chunks wake-ups (see top).
@@ -275,11 +282,11 @@ def _attach(name: str) -> SharedMemory:
     # Before 3.13 every attach registers the segment, so a reader's exit unlinks the writer's
     # segment (cpython gh-82300). Skip registration for this call only.
     register = resource_tracker.register
-    resource_tracker.register = lambda *a, **k: None  # type: ignore[assignment]
+    resource_tracker.register = lambda *a, **k: None
     try:
         return SharedMemory(name=name)
     finally:
-        resource_tracker.register = register  # type: ignore[assignment]
+        resource_tracker.register = register
 
 
 class ShmRingReader:
@@ -293,7 +300,7 @@ class ShmRingReader:
         self.rank, self.spin_s = rank, spin_s
         self._lay = lay = _Layout(handle.n_readers, handle.n_chunks, handle.max_chunk_bytes)
         self._shm = _attach(handle.name)
-        self._buf = self._shm.buf
+        self._buf = _mapped(self._shm)
         magic, n, c, _, m, self._writer_pid = _HEADER.unpack_from(self._buf, 0)
         if (magic, n, c, m) != (MAGIC, lay.n, lay.c, lay.m):
             self._shm.close()
@@ -377,7 +384,7 @@ class ShmRingReader:
         return self._overflow.popleft().buffer
 
     def close(self) -> None:
-        self._buf = None  # type: ignore[assignment]
+        self._buf = None  # type: ignore[assignment]  # drop our export so the mmap can close
         self._finalizer()
 
 

@@ -94,7 +94,7 @@ def make_socket(
     linger_ms: int = DEFAULT_LINGER_MS,
 ) -> zmq.Socket[Any]:
     """A socket of `kind` (zmq.PUSH, ...) bound or connected to `endpoint`, options set first."""
-    sock = ctx.socket(kind)
+    sock: zmq.Socket[Any] = ctx.socket(kind)  # Context[Any] makes socket() return Any
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
