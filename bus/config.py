@@ -10,6 +10,7 @@ import os
 from typing import Literal
 
 import msgspec
+from pagebus.bus.validation import need
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -40,11 +41,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     """Raise ValueError with a message a user can act on; return cfg unchanged."""
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ValueError(msg)
-
     bs = cfg.block_size
     need(bs > 0 and bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}")
     need(cfg.max_model_len is None or cfg.max_model_len > 0, "max_model_len must be positive")

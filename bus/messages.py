@@ -1,6 +1,6 @@
 """Every type that crosses a component boundary, in one module.
 
-Rules (see README "Wire format"):
+Rules:
 - Only msgspec Structs, enums and unions here; logic lives elsewhere.
 - Every union member has an explicit short tag, so renaming a class never changes the wire.
 - `array_like` Structs are positional: fields are append-only with defaults. Removing or
@@ -14,7 +14,7 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final[int] = 1
+PROTOCOL_VERSION: Final[int] = 2  # 2: typed Ready, StartupFailed, AbortRequest.samples
 
 # Ids are plain strings/ints on the wire; the aliases document intent.
 RequestId = str
@@ -26,6 +26,14 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # aborted by the client or by a shutdown
     ERROR = "error"  # rejected or failed; the message says why
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request failed, as frontends map it (HTTP status, batch error line)."""
+
+    INVALID_REQUEST = "invalid_request"  # the request can never run as sent (a 400)
+    ENGINE_DEAD = "engine_dead"  # the engine stopped (a 503)
+    INTERNAL = "internal"  # a bug or an unexpected failure (a 500)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -69,8 +77,18 @@ class AddRequest(msgspec.Struct, kw_only=True, frozen=True, tag="add", tag_field
     cache_salt: str | None = None
 
 
+class SampleKey(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One of a request's `n` samples: (request id, sample index), never a parsed string."""
+
+    request_id: RequestId
+    sample_index: int
+
+
 class AbortRequest(msgspec.Struct, kw_only=True, frozen=True, tag="abort", tag_field="t"):
+    """Abort whole requests, and single samples (a stop string ended them in the frontend)."""
+
     request_ids: list[RequestId]
+    samples: list[SampleKey] = []
 
 
 class Shutdown(msgspec.Struct, kw_only=True, frozen=True, tag="shutdown", tag_field="t"):
@@ -174,12 +192,36 @@ class Hello(msgspec.Struct, kw_only=True, frozen=True, tag="hello", tag_field="t
     pid: int
 
 
+class ModelFacts(msgspec.Struct, kw_only=True, frozen=True):
+    """What a worker learns by loading the model and sizing its KV cache; the scheduler and the
+    clients obey these limits."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None  # None: the model has no end-of-sequence token
+    dtype: str
+    device: str
+    num_threads: int
+
+
 class Ready(msgspec.Struct, kw_only=True, frozen=True, tag="ready", tag_field="t"):
-    """Sent after heavy init; `facts` are post-init values the launcher needs (e.g. num_kv_blocks)."""
+    """Sent after heavy init. Workers send their `model`; the scheduler forwards worker 0's and
+    names the workers it spawned (`worker_pids`, by rank). Tokenizer processes send neither."""
 
     role: str
     rank: int
-    facts: dict[str, int | float | str] = {}
+    model: ModelFacts | None = None
+    worker_pids: list[int] = []
+
+
+class StartupFailed(msgspec.Struct, kw_only=True, frozen=True, tag="sfail", tag_field="t"):
+    """Sent instead of Ready: process `role`-`rank` (the sender, or a child it started) cannot
+    start. `reason` is the whole message for the user, naming that process."""
+
+    role: str
+    rank: int
+    reason: str
 
 
 class EngineDead(msgspec.Struct, kw_only=True, frozen=True, tag="dead", tag_field="t"):
@@ -250,7 +292,7 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, frozen=True):
     prompt_token_ids: list[int] | None = None  # in the first delta only
     prompt_text: str | None = None  # in the first delta when `echo` was asked
     error: str | None = None  # rejected or failed; the message says why (client-safe)
-    error_kind: str | None = None  # "invalid_request" (a 400) | "engine_dead" | "internal"
+    error_kind: ErrorKind | None = None
 
 
 class DeltaBatch(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="deltas", tag_field="t"):
@@ -275,6 +317,6 @@ ToScheduler = AddRequest | AbortRequest | Shutdown
 FromScheduler = StepOutput | EngineDead
 ToWorker = ExecuteBatch | Shutdown
 FromWorker = BatchResult | WorkerFailed
-Handshake = Hello | Ready
+Handshake = Hello | Ready | StartupFailed
 ToTokenizer = GenerateRequest | TokenizeRequest | DetokenizeRequest | AbortRequest | Shutdown
 FromTokenizer = DeltaBatch | TokenizeResult | EngineDead

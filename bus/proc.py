@@ -6,8 +6,9 @@ Every child starts in `_child_main`, which, before running its target:
 2. sets its process title (`pagebus::worker-0`) and a log prefix with role and rank;
 3. logs any exception from the target and exits non-zero.
 
-The child then sends `Hello` at once and `Ready(facts)` after heavy init; `wait_ready` collects them
-while watching every child's sentinel, so a child that dies during start-up fails fast.
+The child then sends `Hello` at once and `Ready` after heavy init (or `StartupFailed` with the
+reason); `wait_ready` collects them while watching every child's sentinel, so a child that dies
+during start-up fails fast.
 """
 
 from __future__ import annotations
@@ -30,18 +31,21 @@ from typing import Any
 import msgspec
 import zmq
 from pagebus.bus.codec import Codec
-from pagebus.bus.messages import PROTOCOL_VERSION, Handshake, Hello, Ready
+from pagebus.bus.messages import PROTOCOL_VERSION, Handshake, Hello, Ready, StartupFailed
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 LOG_FORMAT = "%(asctime)s %(levelname)s [{tag} pid=%(process)d] %(name)s: %(message)s"
 
-Facts = dict[str, int | float | str]
-
 
 class StartupError(RuntimeError):
-    """A child died or stayed silent during start-up; the message names it."""
+    """A child died, failed or stayed silent during start-up; the message names it, and `role` and
+    `rank` say which process failed when one did."""
+
+    def __init__(self, message: str, role: str | None = None, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.role, self.rank = role, rank
 
 
 class BusProcess(SpawnProcess):
@@ -138,22 +142,28 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def describe_death(role: str, rank: int, code: int | None) -> str:
+    """The one description of a process that died, for logs and for the clients' error messages."""
+    return f"{role} {rank} {describe_exit(code)}"
+
+
 def wait_ready(
     handshake_socket: zmq.Socket[Any],
     procs: Sequence[BusProcess],
     expected: Iterable[tuple[str, int]],
     deadline_s: float,
-) -> dict[tuple[str, int], Facts]:
-    """Collect Hello then Ready from every expected (role, rank); return Ready.facts per (role, rank).
+) -> dict[tuple[str, int], Ready]:
+    """Collect Hello then Ready from every expected (role, rank); return the Ready per (role, rank).
 
     One zmq.Poller watches the handshake socket and every child's sentinel, so a child that dies
     during start-up (import error, OOM kill during weight load) raises StartupError at once instead
-    of after the deadline. The caller tears the rest down (`shutdown`).
+    of after the deadline; a `StartupFailed` raises StartupError with its reason. The caller tears
+    the rest down (`shutdown`).
     """
     codec = Codec()
     pending = set(expected)
     hello: dict[tuple[str, int], Hello] = {}
-    facts: dict[tuple[str, int], Facts] = {}
+    ready: dict[tuple[str, int], Ready] = {}
     poller = zmq.Poller()
     poller.register(handshake_socket, zmq.POLLIN)
     for p in procs:
@@ -163,56 +173,84 @@ def wait_ready(
         left = deadline - time.monotonic()
         if left <= 0:
             who = ", ".join(f"{r}-{k}" for r, k in sorted(pending))
-            raise StartupError(f"start-up timed out after {deadline_s:.0f}s waiting for {who}")
+            role, rank = min(pending)
+            raise StartupError(f"start-up timed out after {deadline_s:.0f}s waiting for {who}", role, rank)
         events = dict(poller.poll(max(1, int(min(left, 1.0) * 1000))))
-        while handshake_socket in events:  # drain: several children may have spoken
-            try:
-                frames = handshake_socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            try:
-                msg = codec.decode([f.buffer for f in frames], Handshake)
-            except msgspec.DecodeError as e:  # e.g. a child from another pagebus version
-                raise StartupError(f"malformed handshake message ({e}): mixed pagebus installs?") from None
-            _on_handshake(msg, hello, facts, pending)
-        _check_alive(procs)  # even a child that is already Ready must not die before the others are
-    return facts
+        if handshake_socket in events:
+            _drain_handshake(handshake_socket, codec, hello, ready, pending)
+        dead = _first_dead(procs)  # even a child that is already Ready must not die before the others are
+        if dead is not None:
+            # A child that failed said why just before exiting; give its StartupFailed a moment to
+            # arrive, so the error carries the reason rather than only the exit code.
+            if handshake_socket.poll(500):
+                _drain_handshake(handshake_socket, codec, hello, ready, pending)
+            raise StartupError(
+                f"{dead.tag} (pid {dead.pid}) {describe_exit(dead.exitcode)} during start-up; "
+                "see the traceback above",
+                dead.role,
+                dead.rank,
+            )
+    return ready
+
+
+def _drain_handshake(
+    sock: zmq.Socket[Any],
+    codec: Codec,
+    hello: dict[tuple[str, int], Hello],
+    ready: dict[tuple[str, int], Ready],
+    pending: set[tuple[str, int]],
+) -> None:
+    while True:  # several children may have spoken
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        try:
+            msg = codec.decode([f.buffer for f in frames], Handshake)
+        except msgspec.DecodeError as e:  # e.g. a child from another pagebus version
+            raise StartupError(f"malformed handshake message ({e}): mixed pagebus installs?") from None
+        _on_handshake(msg, hello, ready, pending)
 
 
 def _on_handshake(
-    msg: Hello | Ready,
+    msg: Hello | Ready | StartupFailed,
     hello: dict[tuple[str, int], Hello],
-    facts: dict[tuple[str, int], Facts],
+    ready: dict[tuple[str, int], Ready],
     pending: set[tuple[str, int]],
 ) -> None:
     key = (msg.role, msg.rank)
+    if isinstance(msg, StartupFailed):
+        raise StartupError(msg.reason, msg.role, msg.rank)
     if isinstance(msg, Hello):
         if msg.version != PROTOCOL_VERSION:
             raise StartupError(
                 f"{msg.role}-{msg.rank} (pid {msg.pid}) speaks bus protocol v{msg.version}, this launcher "
-                f"v{PROTOCOL_VERSION}: mixed pagebus installs? Reinstall so both sides match."
+                f"v{PROTOCOL_VERSION}: mixed pagebus installs? Reinstall so both sides match.",
+                msg.role,
+                msg.rank,
             )
         hello[key] = msg
         logger.debug("hello from %s-%d pid %d", msg.role, msg.rank, msg.pid)
         return
     if key not in hello:
-        raise StartupError(f"{msg.role}-{msg.rank} sent Ready before Hello (protocol error)")
+        raise StartupError(
+            f"{msg.role}-{msg.rank} sent Ready before Hello (protocol error)", msg.role, msg.rank
+        )
     if key not in pending:
         logger.warning("unexpected or repeated Ready from %s-%d ignored", msg.role, msg.rank)
         return
     pending.discard(key)
-    facts[key] = dict(msg.facts)
-    logger.info("%s-%d ready %s", msg.role, msg.rank, msg.facts)
+    ready[key] = msg
+    logger.info("%s-%d ready %s", msg.role, msg.rank, msg.model or "")
 
 
-def _check_alive(procs: Sequence[BusProcess]) -> None:
+def _first_dead(procs: Sequence[BusProcess]) -> BusProcess | None:
     for p in procs:
         if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
             p.join(1.0)  # the sentinel closes a moment before the child can be reaped
         if p.exitcode is not None:
-            raise StartupError(
-                f"{p.tag} (pid {p.pid}) {describe_exit(p.exitcode)} during start-up; see the traceback above"
-            )
+            return p
+    return None
 
 
 # ----------------------------------------------------------------------------- monitor

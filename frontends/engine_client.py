@@ -39,6 +39,7 @@ from pagebus.bus.messages import (
     TokenizeRequest,
     TokenizeResult,
 )
+from pagebus.bus.proc import StartupError
 from pagebus.bus.sockets import DEFAULT_HWM
 from pagebus.frontends.launcher import Launcher
 from pagebus.frontends.model_files import model_name, resolve_model
@@ -102,18 +103,19 @@ class AsyncEngineClient:
         loop = asyncio.get_running_loop()
         try:
             launcher.start()  # on the loop's thread, which outlives the children (PDEATHSIG)
-            facts = await loop.run_in_executor(None, launcher.wait_ready, startup_timeout)
+            ready = await loop.run_in_executor(None, launcher.wait_ready, startup_timeout)
+            if ready.model is None:
+                raise StartupError("the scheduler sent Ready without the model's facts (protocol error)")
         except BaseException:
             pull.close()
             launcher.close(timeout=2.0)
             raise
-        f = facts[("scheduler", 0)]
         info = EngineInfo(
             model_name=model_name(path),
             model_path=path,
-            max_model_len=int(f["max_model_len"]),
-            vocab_size=int(f["vocab_size"]),
-            num_kv_blocks=int(f["num_kv_blocks"]),
+            max_model_len=ready.model.max_model_len,
+            vocab_size=ready.model.vocab_size,
+            num_kv_blocks=ready.model.num_kv_blocks,
             startup_seconds=time.monotonic() - t0,
         )
         log.info("engine ready in %.1fs: %s", info.startup_seconds, info)
@@ -281,5 +283,5 @@ class AsyncEngineClient:
     def pids(self) -> list[int]:
         """Every engine process id, workers included (for monitoring and tests)."""
         pids = [p.pid for p in self._launcher.procs if p.pid is not None]
-        f = self._launcher.facts.get(("scheduler", 0), {})
-        return pids + [int(v) for k, v in f.items() if k.startswith("worker_pid_")]
+        sched = self._launcher.ready.get(("scheduler", 0))
+        return pids + (sched.worker_pids if sched is not None else [])

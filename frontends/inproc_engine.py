@@ -24,7 +24,7 @@ class InprocEngine:
         self.pending.extend(self.scheduler.add_request(req))
 
     def abort(self, req: AbortRequest) -> None:
-        self.pending.extend(self.scheduler.abort(req.request_ids))
+        self.pending.extend(self.scheduler.abort(req.request_ids, req.samples))
 
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()

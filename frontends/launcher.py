@@ -24,20 +24,14 @@ import msgspec
 import zmq
 from pagebus.bus.codec import Codec
 from pagebus.bus.config import EngineConfig
-from pagebus.bus.messages import Shutdown
-from pagebus.bus.proc import BusProcess, Facts, ProcessMonitor, StartupError, shutdown, spawn, wait_ready
+from pagebus.bus.messages import Ready, Shutdown
+from pagebus.bus.proc import BusProcess, ProcessMonitor, describe_death, shutdown, spawn, wait_ready
 from pagebus.bus.sockets import make_runtime_dir, make_socket
 
 log = logging.getLogger(__name__)
 
 CONTROL_LINGER_MS = 500
 FRONTEND_HWM = 10_000  # messages per pool queued by the frontend before a send refuses (overload)
-
-
-def death_reason(p: BusProcess) -> str:
-    code = p.exitcode
-    hint = ", likely killed by the OOM killer" if code == -9 else ""
-    return f"{p.role} {p.rank} died (exit code {code}{hint})"
 
 
 class Launcher:
@@ -63,7 +57,7 @@ class Launcher:
         self._codec = Codec()
         self._lock = threading.Lock()  # sockets are used from the loop thread and the teardown thread
         self.procs: list[BusProcess] = []
-        self.facts: dict[tuple[str, int], Facts] = {}
+        self.ready: dict[tuple[str, int], Ready] = {}
         self._monitor: ProcessMonitor | None = None
         self.stopping = False  # planned exits (exit code 0) are not deaths from here on
         self.closed = False
@@ -83,24 +77,22 @@ class Launcher:
         args2 = (cfg_bytes, self.model_path, self.addrs, self.n_pools, worker_main)
         self.procs.append(spawn(scheduler_main, "scheduler-0", "scheduler", 0, args2))
 
-    def wait_ready(self, timeout: float) -> dict[tuple[str, int], Facts]:
-        """Block until every process is Ready; StartupError names the one that failed."""
+    def wait_ready(self, timeout: float) -> Ready:
+        """Block until every process is Ready; return the scheduler's (the model's facts and the
+        worker pids). StartupError names the process that failed, workers included."""
         expected = {("tokenizer", i) for i in range(self.n_pools)} | {("scheduler", 0)}
         t0 = time.monotonic()
-        self.facts = wait_ready(self._hs, self.procs, expected, timeout)
-        err = self.facts[("scheduler", 0)].get("startup_error")
-        if err is not None:
-            raise StartupError(str(err))
+        self.ready = wait_ready(self._hs, self.procs, expected, timeout)
         log.info("engine processes ready in %.1fs", time.monotonic() - t0)
-        return self.facts
+        return self.ready[("scheduler", 0)]
 
-    def monitor(self, on_death: Callable[[str], None]) -> None:
+    def monitor(self, on_death: Callable[[str], object]) -> None:
         """Call `on_death(reason)` (from a monitor thread) when any child dies unexpectedly."""
 
         def cb(p: BusProcess) -> None:
             if self.stopping and p.exitcode == 0:
                 return
-            on_death(death_reason(p))
+            on_death(describe_death(p.role, p.rank, p.exitcode))
 
         self._monitor = ProcessMonitor(self.procs, cb).start()
 

@@ -11,7 +11,7 @@ import itertools
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pagebus.bus.config import EngineConfig, make_engine_config
 from pagebus.bus.messages import AbortRequest, AddRequest, SamplingParams
@@ -20,6 +20,10 @@ from pagebus.frontends.model_files import resolve_model, tokenizer_dir
 from pagebus.frontends.output_processor import OutputProcessor
 from pagebus.frontends.outputs import RequestOutput
 from pagebus.frontends.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # both engines are imported where they are built: the in-process one needs torch
+    from pagebus.frontends.inproc_engine import InprocEngine
+    from pagebus.frontends.mp_llm import MultiprocessBackend
 
 PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
 
@@ -34,7 +38,8 @@ class LLM:
         path = resolve_model(cfg.model)
         self.config: EngineConfig = msgspec_replace(cfg, model=path)
         self.tokenizer = Tokenizer(tokenizer_dir(cfg.tokenizer or path))
-        self._mp: Any = None
+        self._mp: MultiprocessBackend | None = None
+        self.engine: InprocEngine | MultiprocessBackend
         if multiprocess:
             from pagebus.frontends.mp_llm import MultiprocessBackend
 
@@ -57,16 +62,18 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
+        # One prompt is text, a {...} or a list of token ids; only the values tell it from many.
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        params = self._params_list(sampling_params, len(prompts))
+            batch = [cast(PromptType, prompts)]
+        else:
+            batch = list(cast(Sequence[PromptType], prompts))
+        params = self._params_list(sampling_params, len(batch))
         if self._mp is not None:
-            return self._generate_mp(prompts, params, priority)
+            return self._generate_mp(self._mp, batch, params, priority)
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
             text, token_ids = self._tokenize(prompt)
             ids.append(self._add(text, token_ids, p, priority[i] if priority else 0))
         return self._run(ids, use_tqdm)
@@ -78,7 +85,8 @@ class LLM:
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)  # one conversation, or a list of them
+        convs = [cast(list[dict[str, str]], messages)] if one else cast(list[list[dict[str, str]]], messages)
         texts = [
             self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs
         ]
@@ -105,7 +113,7 @@ class LLM:
         """One engine step; returns the outputs of requests that made progress."""
         outs, to_abort = self.outputs.process(self.engine.step())
         if to_abort:
-            self.engine.abort(AbortRequest(request_ids=to_abort))
+            self.engine.abort(AbortRequest(request_ids=[], samples=to_abort))
         return outs
 
     # ------------------------------------------------------------------ internals
@@ -122,11 +130,15 @@ class LLM:
         return params
 
     def _generate_mp(
-        self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None
+        self,
+        mp: MultiprocessBackend,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         from pagebus.bus.messages import GenerateRequest
 
-        reqs = []
+        reqs: list[tuple[GenerateRequest, str | None]] = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid, prio, now = str(next(self._ids)), priority[i] if priority else 0, time.time()
             if isinstance(prompt, str):  # the pool tokenizes text, exactly as _tokenize would
@@ -140,7 +152,7 @@ class LLM:
                 request_id=rid, params=p, prompt_token_ids=ids, priority=prio, arrival_time=now
             )
             reqs.append((req, text))
-        return self._mp.generate(reqs)  # type: ignore[no-any-return]
+        return mp.generate(reqs)
 
     def shutdown(self) -> None:
         """Stop the engine processes (multiprocess=True); a no-op in-process."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagebus.bus.messages import FinishReason, SamplingParams, SeqUpdate
+from pagebus.bus.messages import FinishReason, SampleKey, SamplingParams, SeqUpdate
 from pagebus.frontends.detokenizer import IncrementalDetokenizer
 from pagebus.frontends.outputs import CompletionOutput, Logprob, RequestOutput
 from pagebus.frontends.tokenizer import Tokenizer
@@ -24,11 +24,6 @@ class _RequestState:
     num_cached_tokens: int = 0
     error: str | None = None
     finished_samples: set[int] = field(default_factory=set)
-
-
-def seq_id(request_id: str, index: int) -> str:
-    """The scheduler's id for sample `index` of a request (abort accepts these too)."""
-    return f"{request_id}#{index}"
 
 
 class OutputProcessor:
@@ -48,21 +43,21 @@ class OutputProcessor:
         )
         self.requests[request_id] = _RequestState(prompt, prompt_ids, params, samples, detoks)
 
-    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs that changed (finished ones last seen here) and the scheduler
-        seq ids to abort because a stop string ended them."""
-        for st in self.requests.values():
-            for s in st.samples:
+    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[SampleKey]]:
+        """Returns the outputs that changed (finished ones last seen here) and the samples to
+        abort in the scheduler because a stop string ended them."""
+        for state in self.requests.values():
+            for s in state.samples:
                 s.text_delta, s.new_token_ids = "", []
         changed: dict[str, None] = {}
-        to_abort: list[str] = []
+        to_abort: list[SampleKey] = []
         for u in updates:
             st = self.requests.get(u.request_id)
             if st is None or u.sample_index in st.finished_samples:
                 continue  # already finished here (stop string) or unknown
             changed[u.request_id] = None
             if self._apply(st, u):
-                to_abort.append(seq_id(u.request_id, u.sample_index))
+                to_abort.append(SampleKey(u.request_id, u.sample_index))
         outs = []
         for rid in changed:
             st = self.requests[rid]

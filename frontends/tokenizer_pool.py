@@ -25,6 +25,7 @@ from pagebus.bus.messages import (
     DeltaBatch,
     DetokenizeRequest,
     EngineDead,
+    ErrorKind,
     FinishReason,
     FromScheduler,
     GenerateRequest,
@@ -75,7 +76,7 @@ def pool_main(cfg_bytes: bytes, model_path: str, rank: int, addrs: dict[str, str
     sched.connect(addrs["scheduler_in"])
     to_sched = Channel(sched)
     fe_out = Channel(make_socket(ctx, zmq.PUSH, addrs["frontend_in"], bind=False, linger_ms=LINGER_MS))
-    hs.send(Ready(role="tokenizer", rank=rank, facts={"vocab_size": len(tok)}))
+    hs.send(Ready(role="tokenizer", rank=rank))
     try:
         Pool(tok, fe_in, steps, to_sched, fe_out).run()
     finally:
@@ -168,7 +169,7 @@ class Pool:
                 req.prompt, req.prompt_token_ids, req.messages, req.add_generation_prompt, True
             )
         except ValueError as e:  # includes ChatTemplateError
-            delta = RequestDelta(rid, [], finished=True, error=str(e), error_kind="invalid_request")
+            delta = RequestDelta(rid, [], finished=True, error=str(e), error_kind=ErrorKind.INVALID_REQUEST)
             self._reply(DeltaBatch(deltas=[delta]))
             return
         self.op.add(rid, text, ids, req.params)
@@ -200,7 +201,7 @@ class Pool:
                 lps.setdefault((u.request_id, u.sample_index), []).extend(u.logprobs)
         outs, to_abort = self.op.process(step.updates)
         if to_abort:  # stop strings ended these samples here; free their blocks in the scheduler
-            self.to_sched.send(AbortRequest(request_ids=to_abort), timeout_s=SEND_TIMEOUT_S)
+            self.to_sched.send(AbortRequest(request_ids=[], samples=to_abort), timeout_s=SEND_TIMEOUT_S)
         deltas = [self._delta(out, lps) for out in outs]
         self._reply(DeltaBatch(deltas=deltas, stats=step.stats))
 
@@ -237,5 +238,5 @@ class Pool:
             prompt_token_ids=list(out.prompt_token_ids) if first else None,
             prompt_text=meta.prompt_text if first and meta.echo else None,
             error=out.error,
-            error_kind="invalid_request" if out.error else None,  # the scheduler's admission checks
+            error_kind=ErrorKind.INVALID_REQUEST if out.error else None,  # the scheduler's admission checks
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +33,12 @@ from pagebus.bus.messages import (
     Ready,
     SeqUpdate,
     Shutdown,
+    StartupFailed,
     StepOutput,
     ToScheduler,
     WorkerFailed,
 )
-from pagebus.bus.proc import BusProcess, StartupError, shutdown, spawn, wait_ready
+from pagebus.bus.proc import BusProcess, StartupError, describe_death, shutdown, spawn, wait_ready
 from pagebus.bus.shm import ShmRingWriter
 from pagebus.bus.sockets import Channel, make_socket
 from pagebus.scheduler.scheduler import Scheduler
@@ -53,11 +53,6 @@ INBOUND_HWM = 10_000  # ROUTER input: per-pool pipe; senders block (not drop) wh
 
 class EngineFatal(RuntimeError):
     """The engine cannot go on; the message is the client-safe reason."""
-
-
-def describe_death(role: str, rank: int, code: int | None) -> str:
-    hint = ", likely killed by the OOM killer" if code == -signal.SIGKILL else ""
-    return f"{role} {rank} died (exit code {code}{hint})"
 
 
 def scheduler_main(
@@ -90,16 +85,18 @@ def scheduler_main(
     code = 1
     try:
         try:
-            facts = wait_ready(whs, workers, {("worker", r) for r in range(len(workers))}, 3600.0)
+            ready = wait_ready(whs, workers, {("worker", r) for r in range(len(workers))}, 3600.0)
         except StartupError as e:  # tell the launcher which worker failed, not just "scheduler exited"
-            hs.send(Ready(role="scheduler", rank=0, facts={"startup_error": str(e)}))
+            role, rank = (e.role, e.rank) if e.role is not None and e.rank is not None else ("scheduler", 0)
+            hs.send(StartupFailed(role=role, rank=rank, reason=str(e)))
             raise
-        f0 = facts[("worker", 0)]
-        eos = int(f0["eos_token_id"])
-        sched = Scheduler(cfg, int(f0["num_kv_blocks"]), int(f0["max_model_len"]), None if eos < 0 else eos)
+        f0 = ready[("worker", 0)].model
+        if f0 is None:
+            raise StartupError("worker 0 sent Ready without its model facts (protocol error)")
+        sched = Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id)
         inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
-        worker_pids = {f"worker_pid_{p.rank}": p.pid or 0 for p in workers}
-        hs.send(Ready(role="scheduler", rank=0, facts={**f0, **worker_pids}))
+        pids = [p.pid or 0 for p in workers]
+        hs.send(Ready(role="scheduler", rank=0, model=f0, worker_pids=pids))
         loop = _Loop(sched, ring, results, inbound, outs, workers)
         try:
             loop.run()
@@ -185,8 +182,8 @@ class _Loop:
             match dec.decode(frames[0]):
                 case AddRequest() as req:
                     self._add(ident, req)
-                case AbortRequest(request_ids=ids):
-                    self.pending.extend(self.sched.abort(ids))
+                case AbortRequest(request_ids=ids, samples=samples):
+                    self.pending.extend(self.sched.abort(ids, samples))
                 case Shutdown(drain=drain):
                     log.info("shutdown (drain=%s)", drain)
                     self.draining = True

@@ -31,6 +31,7 @@ from pagebus.bus.messages import (
     ExecuteBatch,
     FinishReason,
     NewSeq,
+    SampleKey,
     SchedulerStats,
     SeqUpdate,
     TokenLogprobs,
@@ -111,40 +112,37 @@ class Scheduler:
             bisect.insort(self.waiting, seq, key=_sort_key)
         return []
 
-    def abort(self, request_ids: list[str]) -> list[SeqUpdate]:
-        """Drop requests now, freeing their blocks; one ABORT update per unfinished sample.
-        An id may also name one sample (`Sequence.seq_id`, "request_id#index"): the frontend
-        ends a single sample that way when it hits a stop string."""
+    def abort(self, request_ids: list[str], samples: list[SampleKey] | None = None) -> list[SeqUpdate]:
+        """Drop requests, and single `samples` (the frontend ends one that way when it hits a stop
+        string), now, freeing their blocks; one ABORT update per unfinished sample."""
+        popped = [seq for rid in request_ids for seq in self.requests.pop(rid, [])]
+        popped += [seq for key in samples or () for seq in self._pop_sample(key)]
         updates = []
-        for rid in request_ids:
-            for seq in self._pop_samples(rid):
-                self._release(seq)
-                updates.append(
-                    SeqUpdate(
-                        request_id=seq.request_id,
-                        sample_index=seq.sample_index,
-                        new_token_ids=[],
-                        finish_reason=FinishReason.ABORT,
-                        num_prompt_tokens=seq.prompt_len,
-                        num_cached_tokens=seq.num_cached_tokens or 0,
-                    )
+        for seq in popped:
+            self._release(seq)
+            updates.append(
+                SeqUpdate(
+                    request_id=seq.request_id,
+                    sample_index=seq.sample_index,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ABORT,
+                    num_prompt_tokens=seq.prompt_len,
+                    num_cached_tokens=seq.num_cached_tokens or 0,
                 )
+            )
         if updates:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
             self.waiting = [s for s in self.waiting if s.status is SeqStatus.WAITING]
         return updates
 
-    def _pop_samples(self, some_id: str) -> list[Sequence]:
-        if some_id in self.requests:
-            return self.requests.pop(some_id)
-        seq = self.live.get(some_id)
-        if seq is None:
-            return []
-        samples = self.requests[seq.request_id]
-        samples.remove(seq)
+    def _pop_sample(self, key: SampleKey) -> list[Sequence]:
+        samples = self.requests.get(key.request_id, [])
+        found = [s for s in samples if s.sample_index == key.sample_index]
+        for seq in found:
+            samples.remove(seq)
         if not samples:
-            del self.requests[seq.request_id]
-        return [seq]
+            self.requests.pop(key.request_id, None)
+        return found
 
     def _max_tokens(self, req: AddRequest) -> int:
         mt = req.params.max_tokens

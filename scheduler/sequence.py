@@ -22,7 +22,9 @@ class SeqStatus(enum.Enum):
 
 
 class Sequence:
-    """One sample: `seq_id` is f"{request_id}#{sample_index}"."""
+    """One sample of one request. `seq_id` keys it between the scheduler and the workers only
+    (unique: the sample index follows the last "#"); everything else addresses a sample by
+    (request_id, sample_index)."""
 
     __slots__ = (
         "block_hashes",

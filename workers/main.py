@@ -1,8 +1,9 @@
 """The worker process: a thin loop around ModelRunner.
 
-Hello -> load the model -> Ready(facts) -> read ExecuteBatch from the scheduler's shm ring ->
+Hello -> load the model -> Ready(model facts) -> read ExecuteBatch from the scheduler's shm ring ->
 execute -> rank 0 sends BatchResult back over ZMQ. Shutdown on the ring ends it with exit 0; any
-exception sends WorkerFailed (with linger, so it leaves) and exits non-zero.
+exception exits non-zero after saying why (with linger, so it leaves): StartupFailed on the
+handshake channel before Ready, WorkerFailed on the results channel after.
 
 Spawned by the scheduler process (its parent), which watches this process's sentinel.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -23,18 +24,23 @@ from pagebus.bus.messages import (
     BatchResult,
     ExecuteBatch,
     Hello,
+    ModelFacts,
     Ready,
     Shutdown,
+    StartupFailed,
     ToWorker,
     WorkerFailed,
 )
 from pagebus.bus.shm import RingHandle, ShmRingReader
 from pagebus.bus.sockets import Channel, make_socket
 
+if TYPE_CHECKING:
+    from pagebus.workers.runner import ModelRunner
+
 log = logging.getLogger(__name__)
 
 ROLE = "worker"
-LINGER_MS = 2_000  # the last message (WorkerFailed) must get out before the process exits
+LINGER_MS = 2_000  # the last message (StartupFailed, WorkerFailed) must get out before the process exits
 
 
 def worker_main(
@@ -47,15 +53,22 @@ def worker_main(
     hs = Channel(make_socket(ctx, zmq.PUSH, handshake_ep, bind=False, linger_ms=LINGER_MS))
     out = Channel(make_socket(ctx, zmq.PUSH, out_ep, bind=False, linger_ms=LINGER_MS))
     code = 0
+    runner: ModelRunner | None = None  # set once the model is loaded and Ready is sent
     try:
         hs.send(Hello(version=PROTOCOL_VERSION, role=ROLE, rank=rank, pid=os.getpid()))
-        _run(cfg, model_path, rank, handle, hs, out)
+        runner = _load(cfg, model_path, rank, hs)
+        _serve(runner, rank, handle, out)
     except BaseException as e:  # report every failure, then exit non-zero
         log.error("worker %d failed:\n%s", rank, traceback.format_exc())
+        reason = f"{type(e).__name__}: {e}"
         try:
-            out.send(WorkerFailed(rank=rank, reason=f"{type(e).__name__}: {e}"), timeout_s=1.0)
+            if runner is not None:
+                out.send(WorkerFailed(rank=rank, reason=reason), timeout_s=1.0)
+            else:
+                msg = f"{ROLE}-{rank} failed during start-up: {reason}"
+                hs.send(StartupFailed(role=ROLE, rank=rank, reason=msg), timeout_s=1.0)
         except Exception:
-            log.exception("could not send WorkerFailed")
+            log.exception("could not report the failure")
         code = 1
     finally:
         hs.close()
@@ -65,30 +78,27 @@ def worker_main(
         raise SystemExit(code)
 
 
-def _run(
-    cfg: EngineConfig, model_path: str, rank: int, handle: RingHandle, hs: Channel, out: Channel
-) -> None:
+def _load(cfg: EngineConfig, model_path: str, rank: int, hs: Channel) -> ModelRunner:
+    """Load the model and size the KV cache, then send Ready with what that found."""
     # Heavy import here, after Hello: the parent learns at once that the process started.
     import torch
     from pagebus.workers.runner import ModelRunner
 
     runner = ModelRunner(cfg, model_path, rank)  # sets torch threads from cfg.num_threads
-    mc = runner.model_config
-    hs.send(
-        Ready(
-            role=ROLE,
-            rank=rank,
-            facts={
-                "num_kv_blocks": runner.num_blocks,
-                "max_model_len": runner.max_model_len,
-                "eos_token_id": -1 if runner.eos_token_id is None else runner.eos_token_id,
-                "vocab_size": mc.vocab_size,
-                "dtype": str(runner.dtype).removeprefix("torch."),
-                "device": str(runner.device),
-                "num_threads": torch.get_num_threads(),
-            },
-        )
+    facts = ModelFacts(
+        num_kv_blocks=runner.num_blocks,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.model_config.vocab_size,
+        eos_token_id=runner.eos_token_id,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        device=str(runner.device),
+        num_threads=torch.get_num_threads(),
     )
+    hs.send(Ready(role=ROLE, rank=rank, model=facts))
+    return runner
+
+
+def _serve(runner: ModelRunner, rank: int, handle: RingHandle, out: Channel) -> None:
     reader = ShmRingReader(handle, rank)  # blocks on a wake-up when idle: no spinning beyond spin_s
     codec = Codec()
     try:

@@ -18,13 +18,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-from pagebus.frontends.http.errors import APIError, ErrorInfo, ErrorResponse, bad_request
+from pagebus.frontends.http.errors import (
+    RETRYABLE_CODES,
+    APIError,
+    ErrorCode,
+    ErrorInfo,
+    ErrorResponse,
+    bad_request,
+)
 from pagebus.frontends.http.handler import Kind
 from pagebus.frontends.http.protocol import Response
 
 Form = Literal["batch", "short"]
 URLS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-RETRYABLE_CODES = frozenset({"engine_dead", "cancelled", "engine_unavailable", "internal_error"})
 _encoder = msgspec.json.Encoder()
 _LINE = re.compile(r"^line (\d+): ")
 
@@ -50,7 +56,7 @@ class Line:
     key: str | int | None  # custom_id (batch), id or line number (short); None if unknown
     kind: Kind | None = None
     body: bytes = b""
-    error: tuple[str, str] | None = None  # (code, message): no HTTP meaning, top-level error
+    error: tuple[ErrorCode, str] | None = None  # (code, message): no HTTP meaning, top-level error
     api_error: APIError | None = None  # refused before validation, with an HTTP meaning
 
     @property
@@ -65,30 +71,32 @@ def parse_line(raw: bytes, lineno: int, default_form: Form = "batch") -> Line:
     try:
         env = msgspec.json.decode(raw, type=_Envelope)
     except msgspec.ValidationError as e:
-        return Line(lineno, default_form, None, error=("invalid_line", f"not a JSON object: {e}"))
+        return Line(lineno, default_form, None, error=(ErrorCode.INVALID_LINE, f"not a JSON object: {e}"))
     except msgspec.DecodeError as e:
-        return Line(lineno, default_form, None, error=("invalid_json", f"not valid JSON: {e}"))
+        return Line(lineno, default_form, None, error=(ErrorCode.INVALID_JSON, f"not valid JSON: {e}"))
     batch = any(v is not msgspec.UNSET for v in (env.custom_id, env.method, env.url)) or len(env.body) > 0
     if batch:
         if env.custom_id is msgspec.UNSET or not isinstance(env.custom_id, str):
-            return Line(lineno, "batch", None, error=("missing_custom_id", "custom_id must be a string"))
+            return Line(
+                lineno, "batch", None, error=(ErrorCode.MISSING_CUSTOM_ID, "custom_id must be a string")
+            )
         line = Line(lineno, "batch", env.custom_id)
         if env.method != "POST":
-            line.error = ("invalid_method", f"method must be POST, not {env.method!r}")
+            line.error = (ErrorCode.INVALID_METHOD, f"method must be POST, not {env.method!r}")
         elif env.url not in URLS:
-            line.error = ("invalid_url", f"url must be one of {sorted(URLS)}, not {env.url!r}")
+            line.error = (ErrorCode.INVALID_URL, f"url must be one of {sorted(URLS)}, not {env.url!r}")
         else:
             line.kind, line.body = URLS[env.url], bytes(env.body)
         return line
     has_prompt, has_messages = len(env.prompt) > 0, len(env.messages) > 0
     if not (has_prompt or has_messages):
         msg = "neither a batch request (custom_id, method, url, body) nor a short one (prompt or messages)"
-        return Line(lineno, default_form, None, error=("invalid_line", msg))
+        return Line(lineno, default_form, None, error=(ErrorCode.INVALID_LINE, msg))
     key = env.id
     if key is msgspec.UNSET or key is None:
         key = lineno
     elif not isinstance(key, str | int) or isinstance(key, bool):
-        return Line(lineno, "short", None, error=("invalid_id", "id must be a string or an integer"))
+        return Line(lineno, "short", None, error=(ErrorCode.INVALID_ID, "id must be a string or an integer"))
     line = Line(lineno, "short", key, kind="chat" if has_messages else "completion", body=raw)
     if has_prompt and has_messages:
         line.api_error = bad_request("give exactly one of prompt and messages", "prompt")
@@ -151,7 +159,7 @@ def api_failure(line: Line, e: APIError, request_id: str | None = None) -> Outco
     return Outcome(_encoder.encode(out), False)
 
 
-def line_failure(line: Line, code: str, message: str) -> Outcome:
+def line_failure(line: Line, code: ErrorCode, message: str) -> Outcome:
     """A line that is not a request: the top-level error, no response."""
     err = {"code": code, "message": f"line {line.lineno}: {message}"}
     if line.form == "batch":

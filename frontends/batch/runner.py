@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 from pagebus.frontends.batch.formats import Line, Outcome, api_failure, line_failure, parse_line, success
 from pagebus.frontends.http import handler as H
-from pagebus.frontends.http.errors import APIError, bad_request
+from pagebus.frontends.http.errors import APIError, ErrorCode, bad_request
 
 logger = logging.getLogger("pagebus.batch")
 T = TypeVar("T")
@@ -190,15 +190,15 @@ class Runner:
                 raise bad_request("stream is not supported in a batch; set stream to false", "stream")
             outcome = success(line, await H.complete(self.client, prep))
         except APIError as e:
-            if e.code == "engine_dead":
+            if e.code is ErrorCode.ENGINE_DEAD:
                 self.summary.engine_dead = True
                 self.stop.set()
             outcome = api_failure(line, e, prep.builder.id if prep else None)
         except asyncio.CancelledError:
-            outcome = line_failure(line, "cancelled", "cancelled by an interrupt before it finished")
+            outcome = line_failure(line, ErrorCode.CANCELLED, "cancelled by an interrupt before it finished")
         except Exception:
             logger.exception("line %d failed", line.lineno)
-            outcome = api_failure(line, APIError(500, "internal server error", code="internal_error"))
+            outcome = api_failure(line, APIError(500, "internal server error", code=ErrorCode.INTERNAL_ERROR))
         self._done(seq, outcome)
 
     def _done(self, seq: int, outcome: Outcome) -> None:

@@ -36,7 +36,7 @@ from pagebus.frontends.http.asgi import (
     until_disconnect,
 )
 from pagebus.frontends.http.auth import bearer_ok
-from pagebus.frontends.http.errors import APIError, bad_request, engine_dead, is_engine_dead
+from pagebus.frontends.http.errors import APIError, ErrorCode, bad_request, engine_dead, is_engine_dead
 from pagebus.frontends.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagebus.frontends.http.metrics import Metrics, RequestTimer
 from pagebus.frontends.http.openapi import openapi_spec
@@ -120,7 +120,7 @@ class App:
             if is_engine_dead(e):
                 return await self._error(req, engine_dead(str(e)))
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            await self._error(req, APIError(500, "internal server error", code="internal_error"))
+            await self._error(req, APIError(500, "internal server error", code=ErrorCode.INTERNAL_ERROR))
 
     async def _dispatch(self, req: Request) -> None:
         path, method = req.scope["path"], req.scope["method"]
@@ -128,7 +128,7 @@ class App:
             return await self._preflight(req)
         methods = self.routes.get(path)
         if methods is None:
-            raise APIError(404, f"route {path} not found", code="not_found")
+            raise APIError(404, f"route {path} not found", code=ErrorCode.NOT_FOUND)
         if method not in methods:
             allow = ", ".join(methods).encode()
             raise APIError(405, f"method {method} not allowed on {path}", headers=[(b"allow", allow)])
@@ -138,7 +138,7 @@ class App:
             and path not in self.public
             and not bearer_ok(req.headers.get(b"authorization"), key)
         ):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+            raise APIError(401, "invalid or missing API key", code=ErrorCode.INVALID_API_KEY)
         await methods[method](req)
 
     async def _error(self, req: Request, e: APIError) -> None:
@@ -246,7 +246,7 @@ class App:
     def _check_alive(self) -> None:
         if self.client.is_dead or self.draining:
             reason = "the engine is shutting down" if self.draining else "the engine is not running"
-            raise APIError(503, reason, code="engine_unavailable", headers=[(b"retry-after", b"5")])
+            raise APIError(503, reason, code=ErrorCode.ENGINE_UNAVAILABLE, headers=[(b"retry-after", b"5")])
 
     def _admit(self) -> _Admission:
         self._check_alive()
@@ -255,7 +255,7 @@ class App:
             raise APIError(
                 429,
                 f"too many requests waiting ({self.num_waiting} > {limit}); retry later",
-                code="too_many_waiting",
+                code=ErrorCode.TOO_MANY_WAITING,
                 headers=[(b"retry-after", b"1")],
             )
         return _Admission(self)
@@ -287,7 +287,7 @@ class App:
             err = e
             if not isinstance(err, APIError):
                 logger.exception("stream %s failed", builder.id)
-                err = APIError(500, "internal server error", code="internal_error")
+                err = APIError(500, "internal server error", code=ErrorCode.INTERNAL_ERROR)
             # Headers are gone: report in-band as OpenAI-compatible servers do, then end the stream.
             await req.send({"type": "http.response.body", "body": sse(err.body()), "more_body": True})
             await req.send({"type": "http.response.body", "body": DONE})

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 from pagebus.bus.messages import RequestDelta
-from pagebus.frontends.http.errors import APIError, bad_request
+from pagebus.frontends.http.errors import APIError, ErrorCode, bad_request
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -68,7 +68,9 @@ class Request:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    return APIError(
+        413, f"request body is larger than the limit of {limit} bytes", code=ErrorCode.REQUEST_TOO_LARGE
+    )
 
 
 @contextlib.asynccontextmanager

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import re
 
 import msgspec
+from pagebus.bus.messages import ErrorKind
+from pagebus.bus.validation import ParamError
 
 # OpenAI's `type` names per status; clients (the openai package) pick their exception by status.
 _TYPES = {
@@ -19,11 +22,38 @@ _TYPES = {
 }
 
 
+class ErrorCode(str, enum.Enum):
+    """`error.code` of HTTP error bodies and of batch error lines (clients and --resume read it)."""
+
+    NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    INVALID_API_KEY = "invalid_api_key"
+    REQUEST_TOO_LARGE = "request_too_large"
+    TOO_MANY_WAITING = "too_many_waiting"
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # shutting down or not running: refused up front
+    ENGINE_DEAD = "engine_dead"  # the engine stopped under the request
+    INTERNAL_ERROR = "internal_error"
+    # Batch lines that are not requests at all, and lines an interrupt cut short.
+    INVALID_LINE = "invalid_line"
+    INVALID_JSON = "invalid_json"
+    MISSING_CUSTOM_ID = "missing_custom_id"
+    INVALID_METHOD = "invalid_method"
+    INVALID_URL = "invalid_url"
+    INVALID_ID = "invalid_id"
+    CANCELLED = "cancelled"
+
+
+# Failures that say nothing about the request itself: worth sending again (batch --resume does).
+RETRYABLE_CODES = frozenset(
+    {ErrorCode.ENGINE_DEAD, ErrorCode.CANCELLED, ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.INTERNAL_ERROR}
+)
+
+
 class ErrorInfo(msgspec.Struct, omit_defaults=False):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: ErrorCode | None = None
 
 
 class ErrorResponse(msgspec.Struct):
@@ -39,7 +69,7 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: ErrorCode | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
@@ -70,24 +100,22 @@ def from_validation_error(e: msgspec.ValidationError) -> APIError:
     return bad_request(msg, m.group(1) if m else None)
 
 
-def from_value_error(e: ValueError) -> APIError:
-    """check_sampling_params messages start with the parameter's name ("top_p must be ...")."""
-    msg = str(e)
-    first = msg.split(" ", 1)[0]
-    return bad_request(msg, first if first.isidentifier() else None)
+def from_param_error(e: ParamError) -> APIError:
+    """A 400 naming the parameter that the shared checks (bus.validation) refused."""
+    return bad_request(str(e), e.param)
 
 
-def delta_error(kind: str | None, message: str) -> APIError:
+def delta_error(kind: ErrorKind | None, message: str) -> APIError:
     """An engine-reported request error (RequestDelta.error/error_kind; the message is client-safe)."""
-    if kind == "invalid_request":
+    if kind == ErrorKind.INVALID_REQUEST:
         return bad_request(message)
-    if kind == "engine_dead":
+    if kind == ErrorKind.ENGINE_DEAD:
         return engine_dead(message)
-    return APIError(500, message, code="internal_error")
+    return APIError(500, message, code=ErrorCode.INTERNAL_ERROR)
 
 
 def engine_dead(message: str) -> APIError:
-    return APIError(503, message, code="engine_dead", headers=[(b"retry-after", b"5")])
+    return APIError(503, message, code=ErrorCode.ENGINE_DEAD, headers=[(b"retry-after", b"5")])
 
 
 def is_engine_dead(e: BaseException) -> bool:

@@ -11,8 +11,14 @@ from typing import Any
 
 import msgspec
 from pagebus.bus.messages import ChatMessage, SamplingParams
-from pagebus.bus.validation import check_sampling_params
-from pagebus.frontends.http.errors import APIError, bad_request, from_validation_error, from_value_error
+from pagebus.bus.validation import ParamError, check_sampling_params
+from pagebus.frontends.http.errors import (
+    APIError,
+    ErrorCode,
+    bad_request,
+    from_param_error,
+    from_validation_error,
+)
 
 
 class StreamOptions(msgspec.Struct):
@@ -101,7 +107,7 @@ def decode_body(body: bytes, typ: type[Any]) -> Any:
 
 # ---------------------------------------------------------------------------- mapping
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams; ValueError from the shared checks becomes a 400."""
+    """The request's SamplingParams; ParamError from the shared checks becomes a 400."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
@@ -112,7 +118,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         logprobs = req.logprobs
-    given = {
+    given: dict[str, Any] = {
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
@@ -139,10 +145,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
     )
     try:
         check_sampling_params(p, vocab_size)
-    except ValueError as e:
-        if isinstance(req, ChatCompletionRequest) and str(e).startswith("logprobs"):
+    except ParamError as e:
+        if isinstance(req, ChatCompletionRequest) and e.param == "logprobs":  # chat calls it top_logprobs
             raise bad_request(str(e).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
-        raise from_value_error(e) from None
+        raise from_param_error(e) from None
     return p
 
 
@@ -195,7 +201,9 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 
 def check_model(model: str | None, served: str) -> None:
     if model is not None and model != served:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        raise APIError(
+            404, f"The model `{model}` does not exist.", param="model", code=ErrorCode.MODEL_NOT_FOUND
+        )
 
 
 # -------------------------------------------------------------------------- responses

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import zmq
-from pagebus.bus.messages import PROTOCOL_VERSION, Hello, Ready
+from pagebus.bus.messages import PROTOCOL_VERSION, Hello, ModelFacts, Ready, StartupFailed
 from pagebus.bus.proc import spawn
 from pagebus.bus.shm import RingHandle, ShmRingReader
 from pagebus.bus.sockets import Channel
@@ -81,8 +81,28 @@ def _handshake(endpoint: str) -> Iterator[Channel]:
 def good_child(endpoint: str, role: str, rank: int) -> None:
     with _handshake(endpoint) as ch:
         ch.send(Hello(version=PROTOCOL_VERSION, role=role, rank=rank, pid=os.getpid()))
-        ch.send(Ready(role=role, rank=rank, facts={"num_kv_blocks": 100 + rank, "name": role}))
+        ch.send(Ready(role=role, rank=rank, model=model_facts(rank)))
     _block()
+
+
+def model_facts(rank: int) -> ModelFacts:
+    return ModelFacts(
+        num_kv_blocks=100 + rank,
+        max_model_len=64,
+        vocab_size=10,
+        eos_token_id=None,
+        dtype="float32",
+        device="cpu",
+        num_threads=1,
+    )
+
+
+def failing_child(endpoint: str, role: str, rank: int) -> None:
+    """Say why start-up failed, as a worker does when its model cannot load, then exit non-zero."""
+    with _handshake(endpoint) as ch:
+        ch.send(Hello(version=PROTOCOL_VERSION, role=role, rank=rank, pid=os.getpid()))
+        ch.send(StartupFailed(role=role, rank=rank, reason=f"{role}-{rank} failed during start-up: no GPU"))
+    raise SystemExit(1)
 
 
 def crash_child(endpoint: str, role: str, rank: int) -> None:

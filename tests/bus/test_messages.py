@@ -36,7 +36,7 @@ LP = m.TokenLogprobs(token_id=5, logprob=-0.5, rank=1, top_token_ids=[5, 6], top
 # One representative value per tagged message; the golden bytes below are their encodings.
 SAMPLES: dict[type, Any] = {
     m.AddRequest: m.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3], params=PARAMS, arrival_time=1.5),
-    m.AbortRequest: m.AbortRequest(request_ids=["r1", "r2"]),
+    m.AbortRequest: m.AbortRequest(request_ids=["r1", "r2"], samples=[m.SampleKey("r#3", 1)]),
     m.Shutdown: m.Shutdown(drain=False),
     m.ExecuteBatch: m.ExecuteBatch(
         step_id=3,
@@ -51,8 +51,20 @@ SAMPLES: dict[type, Any] = {
     ),
     m.Hello: m.Hello(version=1, role="worker", rank=0, pid=1234),
     m.Ready: m.Ready(
-        role="worker", rank=1, facts={"num_kv_blocks": 512, "max_model_len": 2048.5, "dtype": "bf16"}
+        role="scheduler",
+        rank=0,
+        model=m.ModelFacts(
+            num_kv_blocks=512,
+            max_model_len=2048,
+            vocab_size=49152,
+            eos_token_id=None,
+            dtype="bfloat16",
+            device="cpu",
+            num_threads=2,
+        ),
+        worker_pids=[4321],
     ),
+    m.StartupFailed: m.StartupFailed(role="worker", rank=1, reason="worker-1 failed during start-up: OOM"),
     m.EngineDead: m.EngineDead(reason="worker-0 died"),
     m.WorkerFailed: m.WorkerFailed(rank=1, reason="CUDA OOM"),
     m.GenerateRequest: m.GenerateRequest(
@@ -71,16 +83,18 @@ SAMPLES: dict[type, Any] = {
     m.TokenizeResult: m.TokenizeResult(request_id="t1", token_ids=[7, 8]),
 }
 
-# Encoded with bus.codec at PROTOCOL_VERSION 1. Never regenerate these to make a test pass.
+# Encoded with bus.codec at PROTOCOL_VERSION 1, and at 2 for AbortRequest, Ready and StartupFailed (the
+# messages version 2 changed). Never regenerate these to make a test pass.
 GOLDEN: dict[type, str] = {
     m.AddRequest: "87a174a3616464aa726571756573745f6964a27231b070726f6d70745f746f6b656e5f69647393010203a6706172616d73de0004aa6d61785f746f6b656e7308ab74656d7065726174757265cb0000000000000000a47365656407ae73746f705f746f6b656e5f6964739102ac6172726976616c5f74696d65cb3ff8000000000000a87072696f7269747900aa63616368655f73616c74c0",
-    m.AbortRequest: "82a174a561626f7274ab726571756573745f69647392a27231a27232",
+    m.AbortRequest: "83a174a561626f7274ab726571756573745f69647392a27231a27232a773616d706c65739192a372233301",
     m.Shutdown: "82a174a873687574646f776ea5647261696ec2",
     m.ExecuteBatch: "95a465786563039198a273319301020303de0004aa6d61785f746f6b656e7308ab74656d7065726174757265cb0000000000000000a47365656407ae73746f705f746f6b656e5f69647391029200010003009194a273309104110191a27339",
     m.BatchResult: "95a6726573756c740392a27331a27330922a2b929505cbbfe00000000000000192050692cbbfe0000000000000cbbff8000000000000c0",
     m.StepOutput: "93a4737465709199a2723100912aa473746f7002900300c089ab6e756d5f72756e6e696e6701ab6e756d5f77616974696e6700a86b765f7573616765cb3fd0000000000000af6e756d5f667265655f626c6f636b7300b06e756d5f746f74616c5f626c6f636b7300b47072656669785f63616368655f7175657269657300b17072656669785f63616368655f6869747300af6e756d5f707265656d7074696f6e7300a96e756d5f737465707300",
     m.Hello: "85a174a568656c6c6fa776657273696f6e01a4726f6c65a6776f726b6572a472616e6b00a3706964cd04d2",
-    m.Ready: "84a174a57265616479a4726f6c65a6776f726b6572a472616e6b01a5666163747383ad6e756d5f6b765f626c6f636b73cd0200ad6d61785f6d6f64656c5f6c656ecb40a0010000000000a56474797065a462663136",
+    m.Ready: "85a174a57265616479a4726f6c65a97363686564756c6572a472616e6b00a56d6f64656c87ad6e756d5f6b765f626c6f636b73cd0200ad6d61785f6d6f64656c5f6c656ecd0800aa766f6361625f73697a65cdc000ac656f735f746f6b656e5f6964c0a56474797065a862666c6f61743136a6646576696365a3637075ab6e756d5f7468726561647302ab776f726b65725f7069647391cd10e1",
+    m.StartupFailed: "84a174a5736661696ca4726f6c65a6776f726b6572a472616e6b01a6726561736f6ed924776f726b65722d31206661696c656420647572696e672073746172742d75703a204f4f4d",
     m.EngineDead: "82a174a464656164a6726561736f6ead776f726b65722d302064696564",
     m.WorkerFailed: "83a174a5776661696ca472616e6b01a6726561736f6ea843554441204f4f4d",
     m.GenerateRequest: "8ba174a367656eaa726571756573745f6964a26731a6706172616d73de0004aa6d61785f746f6b656e7308ab74656d7065726174757265cb0000000000000000a47365656407ae73746f705f746f6b656e5f6964739102a670726f6d7074c0b070726f6d70745f746f6b656e5f696473c0a86d657373616765739182a4726f6c65a475736572a7636f6e74656e74a26869b56164645f67656e65726174696f6e5f70726f6d7074c3a87072696f7269747900aa63616368655f73616c74c0ac6172726976616c5f74696d65cb0000000000000000a46563686fc3",

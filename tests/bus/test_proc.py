@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import zmq
+from pagebus.bus.messages import PROTOCOL_VERSION
 from pagebus.bus.proc import (
     BusProcess,
     ProcessMonitor,
@@ -54,11 +55,22 @@ def procs() -> Iterator[list[BusProcess]]:
 def test_ready_facts_per_role_and_rank(handshake: tuple[zmq.Socket, str], procs: list[BusProcess]) -> None:
     sock, ep = handshake
     procs += [spawn(kids.good_child, f"worker-{r}", "worker", r, (ep, "worker", r)) for r in range(2)]
-    facts = wait_ready(sock, procs, {("worker", 0), ("worker", 1)}, deadline_s=30.0)
-    assert facts == {
-        ("worker", 0): {"num_kv_blocks": 100, "name": "worker"},
-        ("worker", 1): {"num_kv_blocks": 101, "name": "worker"},
+    ready = wait_ready(sock, procs, {("worker", 0), ("worker", 1)}, deadline_s=30.0)
+    assert {k: r.model for k, r in ready.items()} == {
+        ("worker", 0): kids.model_facts(0),
+        ("worker", 1): kids.model_facts(1),
     }
+
+
+def test_startup_failed_raises_its_reason_and_names_the_process(
+    handshake: tuple[zmq.Socket, str], procs: list[BusProcess]
+) -> None:
+    sock, ep = handshake
+    procs.append(spawn(kids.good_child, "worker-0", "worker", 0, (ep, "worker", 0)))
+    procs.append(spawn(kids.failing_child, "worker-1", "worker", 1, (ep, "worker", 1)))
+    with pytest.raises(StartupError, match=r"^worker-1 failed during start-up: no GPU$") as info:
+        wait_ready(sock, procs, {("worker", 0), ("worker", 1)}, deadline_s=60.0)
+    assert (info.value.role, info.value.rank) == ("worker", 1)
 
 
 def test_child_that_raises_during_startup(handshake: tuple[zmq.Socket, str], procs: list[BusProcess]) -> None:
@@ -76,7 +88,8 @@ def test_child_that_raises_during_startup(handshake: tuple[zmq.Socket, str], pro
 def test_version_mismatch_is_fatal(handshake: tuple[zmq.Socket, str], procs: list[BusProcess]) -> None:
     sock, ep = handshake
     procs.append(spawn(kids.old_version_child, "scheduler-0", "scheduler", 0, (ep, "scheduler", 0)))
-    with pytest.raises(StartupError, match=r"scheduler-0 .* protocol v2, this launcher v1"):
+    v = PROTOCOL_VERSION
+    with pytest.raises(StartupError, match=rf"scheduler-0 .* protocol v{v + 1}, this launcher v{v}"):
         wait_ready(sock, procs, {("scheduler", 0)}, deadline_s=30.0)
 
 

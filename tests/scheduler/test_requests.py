@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pagebus.bus.messages import BatchResult, FinishReason, TokenLogprobs
+from pagebus.bus.messages import BatchResult, FinishReason, SampleKey, TokenLogprobs
 
 from tests.scheduler.harness import (
     assert_pool_whole,
@@ -153,14 +153,30 @@ def test_abort_of_one_sample_leaves_its_siblings_running() -> None:
     worker, out = start(sched)
     sched.add_request(make_req("a", list(range(1, 10)), n=2, max_tokens=5))
     step(sched, worker, out)
-    updates = sched.abort(["a#1"])
+    updates = sched.abort([], [SampleKey("a", 1)])
     assert [(u.request_id, u.sample_index, u.finish_reason) for u in updates] == [
         ("a", 1, FinishReason.ABORT)
     ]
     assert sched.has_unfinished() and sched.stats().num_running == 1
     while sched.has_unfinished():
         step(sched, worker, out)
-    assert sched.abort(["a#0", "a"]) == []
+    assert sched.abort(["a"], [SampleKey("a", 0)]) == []
+    assert_pool_whole(sched)
+
+
+def test_a_request_id_with_a_hash_is_just_an_id() -> None:
+    sched = make_sched(num_blocks=16)
+    worker, out = start(sched)
+    sched.add_request(make_req("a", [1, 2, 3], n=2, max_tokens=5))
+    sched.add_request(make_req("a#1", [4, 5, 6], max_tokens=5))
+    step(sched, worker, out)
+    updates = sched.abort([], [SampleKey("a", 1)])
+    assert [(u.request_id, u.sample_index) for u in updates] == [("a", 1)]
+    assert sorted(sched.requests) == ["a", "a#1"]
+    updates = sched.abort(["a#1"])
+    assert [(u.request_id, u.sample_index) for u in updates] == [("a#1", 0)]
+    assert [s.sample_index for s in sched.requests["a"]] == [0]
+    run_to_end(sched, worker, out)
     assert_pool_whole(sched)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 from pagebus.bus.messages import (
+    ErrorKind,
     FinishReason,
     GenerateRequest,
     RequestDelta,
@@ -60,7 +61,7 @@ class FakeEngineClient:
                 [],
                 finished=True,
                 error=f"prompt is 99 tokens, longer than max_model_len {self.info.max_model_len}",
-                error_kind="invalid_request",
+                error_kind=ErrorKind.INVALID_REQUEST,
             )
             return
         n_prompt = len(req.prompt_token_ids or []) or 3
