@@ -72,7 +72,7 @@ def inproc_tps(prompts: list[list[int]], params: SamplingParams) -> float:
 
 
 async def mp_numbers(prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    from pagebus.frontends.engine_client import AsyncEngineClient
+    from pagebus.frontends.engine.client import AsyncEngineClient
 
     client = await AsyncEngineClient.start(EngineConfig(dtype="float32", seed=0))
     procs = [psutil.Process(p) for p in client.pids]

@@ -22,7 +22,7 @@ from pagebus.frontends.outputs import RequestOutput
 from pagebus.frontends.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # both engines are imported where they are built: the in-process one needs torch
-    from pagebus.frontends.inproc_engine import InprocEngine
+    from pagebus.frontends.engine.inproc import InprocEngine
     from pagebus.frontends.mp_llm import MultiprocessBackend
 
 PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...]}
@@ -45,7 +45,7 @@ class LLM:
 
             self.engine = self._mp = MultiprocessBackend(self.config, tokenizer_workers)
         else:
-            from pagebus.frontends.inproc_engine import InprocEngine
+            from pagebus.frontends.engine.inproc import InprocEngine
 
             self.engine = InprocEngine(self.config, path)
         self.outputs = OutputProcessor(self.tokenizer)

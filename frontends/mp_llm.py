@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import GenerateRequest, RequestDelta, SamplingParams
-from pagebus.frontends.engine_client import AsyncEngineClient
+from pagebus.frontends.engine.client import AsyncEngineClient
 from pagebus.frontends.outputs import CompletionOutput, Logprob, RequestOutput
 
 T = TypeVar("T")

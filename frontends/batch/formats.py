@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-from pagebus.frontends.http.errors import (
+from pagebus.frontends.openai.errors import (
     RETRYABLE_CODES,
     APIError,
     ErrorCode,
@@ -26,8 +26,8 @@ from pagebus.frontends.http.errors import (
     ErrorResponse,
     bad_request,
 )
-from pagebus.frontends.http.handler import Kind
-from pagebus.frontends.http.protocol import Response
+from pagebus.frontends.openai.handler import Kind
+from pagebus.frontends.openai.protocol import Response
 
 Form = Literal["batch", "short"]
 URLS: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

@@ -69,8 +69,8 @@ def _progress(args: argparse.Namespace) -> Any:
 async def _run(args: argparse.Namespace, fd: int, out: BinaryIO, answered: set[Any]) -> int:
     from pagebus.frontends.args import engine_config_from_args
     from pagebus.frontends.batch.runner import LineReader, Runner, lazy_token_text
-    from pagebus.frontends.engine_client import AsyncEngineClient
-    from pagebus.frontends.http.handler import Context
+    from pagebus.frontends.engine.client import AsyncEngineClient
+    from pagebus.frontends.openai.handler import Context
 
     cfg = engine_config_from_args(args)
     client = await AsyncEngineClient.start(

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, TypeVar
 
 from pagebus.frontends.batch.formats import Line, Outcome, api_failure, line_failure, parse_line, success
-from pagebus.frontends.http import handler as H
-from pagebus.frontends.http.errors import APIError, ErrorCode, bad_request
+from pagebus.frontends.openai import handler as H
+from pagebus.frontends.openai.errors import APIError, ErrorCode, bad_request
 
 logger = logging.getLogger("pagebus.batch")
 T = TypeVar("T")

@@ -24,8 +24,6 @@ from pagebus.bus.messages import (
     TokenizeRequest,
     TokenizeResult,
 )
-from pagebus.frontends.http import handler as H
-from pagebus.frontends.http import protocol as P
 from pagebus.frontends.http.asgi import (
     JSON_HEADERS,
     ClientGone,
@@ -36,11 +34,13 @@ from pagebus.frontends.http.asgi import (
     until_disconnect,
 )
 from pagebus.frontends.http.auth import bearer_ok
-from pagebus.frontends.http.errors import APIError, ErrorCode, bad_request, engine_dead, is_engine_dead
 from pagebus.frontends.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagebus.frontends.http.metrics import Metrics, RequestTimer
 from pagebus.frontends.http.openapi import openapi_spec
-from pagebus.frontends.http.streaming import DONE, SSE_HEADERS, ResponseBuilder, sse
+from pagebus.frontends.openai import handler as H
+from pagebus.frontends.openai import protocol as P
+from pagebus.frontends.openai.errors import APIError, ErrorCode, bad_request, engine_dead, is_engine_dead
+from pagebus.frontends.openai.streaming import DONE, SSE_HEADERS, ResponseBuilder, sse
 
 logger = logging.getLogger("pagebus.http")
 _json = msgspec.json.Encoder()

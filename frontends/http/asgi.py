@@ -1,16 +1,14 @@
-"""Raw ASGI plumbing: the request wrapper (body with a size limit, responses) and the async helpers
-that tie a response's lifetime to the client's connection."""
+"""Raw ASGI plumbing: the request wrapper (body with a size limit, responses) and the helper that
+ties a response's lifetime to the client's connection."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
-from pagebus.bus.messages import RequestDelta
-from pagebus.frontends.http.errors import APIError, ErrorCode, bad_request
+from pagebus.frontends.openai.errors import APIError, ErrorCode, bad_request
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -71,53 +69,6 @@ def _too_large(limit: int) -> APIError:
     return APIError(
         413, f"request body is larger than the limit of {limit} bytes", code=ErrorCode.REQUEST_TOO_LARGE
     )
-
-
-@contextlib.asynccontextmanager
-async def closing(it: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[Any]]:
-    """Like contextlib.aclosing, for iterators that may lack aclose."""
-    try:
-        yield it
-    finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-async def merge(gens: list[AsyncIterator[RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """Interleave several requests' deltas as they come, tagged with the prompt index."""
-    if len(gens) == 1:
-        async with closing(gens[0]) as g:
-            async for d in g:
-                yield 0, d
-        return
-    queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, g: AsyncIterator[RequestDelta]) -> None:
-        try:
-            async with closing(g):
-                async for d in g:
-                    queue.put_nowait((i, d, None))
-        except Exception as e:
-            queue.put_nowait((i, None, e))
-        else:
-            queue.put_nowait((i, None, None))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, d, err = await queue.get()
-            if err is not None:
-                raise err
-            if d is None:
-                remaining -= 1
-            else:
-                yield i, d
-    finally:
-        for t in tasks:
-            t.cancel()  # closes every still-open delta iterator, which aborts its request
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

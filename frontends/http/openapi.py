@@ -6,8 +6,8 @@ from functools import cache
 from typing import Any
 
 import msgspec
-from pagebus.frontends.http import protocol as P
-from pagebus.frontends.http.errors import ErrorResponse
+from pagebus.frontends.openai import protocol as P
+from pagebus.frontends.openai.errors import ErrorResponse
 
 _REF = "#/components/schemas/{name}"
 

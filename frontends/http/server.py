@@ -16,7 +16,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from functools import lru_cache
 from types import FrameType
 
@@ -66,7 +66,7 @@ def _ready_line(host: str, port: int, model: str, api_key: str | None) -> str:
     )
 
 
-def _token_text_fn(model: str | None, tokenizer: str | None):  # type: ignore[no-untyped-def]
+def _token_text_fn(model: str | None, tokenizer: str | None) -> Callable[[int], str]:
     """Token id -> text for logprobs, from a tokenizer in this process (cheap: tokenizers only)."""
     from pagebus.frontends.tokenizer import Tokenizer
 
@@ -97,7 +97,7 @@ async def _watch_engine(client: object, server: _Server) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from pagebus.frontends.engine_client import AsyncEngineClient
+    from pagebus.frontends.engine.client import AsyncEngineClient
 
     cfg = engine_config_from_args(args)
     api_key = api_key_from(args)

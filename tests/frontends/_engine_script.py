@@ -14,7 +14,7 @@ import time
 import psutil
 from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import GenerateRequest, SamplingParams
-from pagebus.frontends.engine_client import AsyncEngineClient
+from pagebus.frontends.engine.client import AsyncEngineClient
 
 
 def cpu_seconds(pids: list[int]) -> float:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import GenerateRequest, SamplingParams
-from pagebus.frontends.engine_client import AsyncEngineClient, EngineDeadError
+from pagebus.frontends.engine.client import AsyncEngineClient, EngineDeadError
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def test_torch_free_frontend_idle_cpu_and_drain() -> None:
 
 def test_pool_and_scheduler_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, pagebus.frontends.tokenizer_pool, pagebus.frontends.engine_client, "
-        "pagebus.frontends.launcher, pagebus.scheduler.main, pagebus.workers.main; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
+        "import sys, pagebus.frontends.engine.tokenizer_process, pagebus.frontends.engine.client, "
+        "pagebus.frontends.engine.launcher, pagebus.scheduler.main, pagebus.workers.main; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from pagebus.bus.messages import GenerateRequest, SamplingParams, TokenizeRequest
-from pagebus.frontends.engine_client import AsyncEngineClient
+from pagebus.frontends.engine.client import AsyncEngineClient
 
 pytestmark = pytest.mark.slow
 

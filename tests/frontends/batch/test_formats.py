@@ -14,7 +14,7 @@ from pagebus.bus.messages import FinishReason, GenerateRequest, RequestDelta, Sa
 from pagebus.frontends.batch.formats import parse_line
 from pagebus.frontends.batch.resume import count_lines, load_answered
 from pagebus.frontends.batch.runner import Runner, iter_lines
-from pagebus.frontends.http.handler import Context
+from pagebus.frontends.openai.handler import Context
 
 CTX = Context("m", vocab_size=1000)
 

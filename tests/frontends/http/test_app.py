@@ -9,8 +9,8 @@ import pytest
 from pagebus.bus.messages import SchedulerStats
 from pagebus.frontends.http.app import App, Settings
 from pagebus.frontends.http.auth import bearer_ok
-from pagebus.frontends.http.errors import APIError
-from pagebus.frontends.http.protocol import (
+from pagebus.frontends.openai.errors import APIError
+from pagebus.frontends.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_body,

@@ -7,6 +7,8 @@ refused and answered the same way whichever way it came in. Failures are `APIErr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pagebus.bus.messages import GenerateRequest, RequestDelta
-from pagebus.frontends.http import protocol as P
-from pagebus.frontends.http.asgi import closing, merge
-from pagebus.frontends.http.errors import delta_error, engine_dead, is_engine_dead
-from pagebus.frontends.http.streaming import ResponseBuilder
+from pagebus.frontends.openai import protocol as P
+from pagebus.frontends.openai.errors import delta_error, engine_dead, is_engine_dead
+from pagebus.frontends.openai.streaming import ResponseBuilder
 
 Kind = Literal["completion", "chat"]
 
@@ -126,3 +127,51 @@ async def complete(client: Generator, prep: Prepared) -> P.Response:
     async for _ in run(client, prep):
         pass
     return prep.builder.final()
+
+
+# ---------------------------------------------------------------------- async helpers
+@contextlib.asynccontextmanager
+async def closing(it: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[Any]]:
+    """Like contextlib.aclosing, for iterators that may lack aclose."""
+    try:
+        yield it
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def merge(gens: list[AsyncIterator[RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Interleave several requests' deltas as they come, tagged with the prompt index."""
+    if len(gens) == 1:
+        async with closing(gens[0]) as g:
+            async for d in g:
+                yield 0, d
+        return
+    queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, g: AsyncIterator[RequestDelta]) -> None:
+        try:
+            async with closing(g):
+                async for d in g:
+                    queue.put_nowait((i, d, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                remaining -= 1
+            else:
+                yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()  # closes every still-open delta iterator, which aborts its request
+        await asyncio.gather(*tasks, return_exceptions=True)

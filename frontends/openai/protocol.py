@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from pagebus.bus.messages import ChatMessage, SamplingParams
 from pagebus.bus.validation import ParamError, check_sampling_params
-from pagebus.frontends.http.errors import (
+from pagebus.frontends.openai.errors import (
     APIError,
     ErrorCode,
     bad_request,

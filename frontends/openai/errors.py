@@ -119,6 +119,6 @@ def engine_dead(message: str) -> APIError:
 
 
 def is_engine_dead(e: BaseException) -> bool:
-    from pagebus.frontends.engine_client import EngineDeadError  # imported on error paths only (pulls zmq)
+    from pagebus.frontends.engine.client import EngineDeadError  # imported on error paths only (pulls zmq)
 
     return isinstance(e, EngineDeadError)

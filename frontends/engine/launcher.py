@@ -66,7 +66,7 @@ class Launcher:
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
         """Spawn every process. Call from a long-lived thread: PR_SET_PDEATHSIG follows the thread."""
-        from pagebus.frontends.tokenizer_pool import pool_main
+        from pagebus.frontends.engine.tokenizer_process import pool_main
         from pagebus.scheduler.main import scheduler_main
         from pagebus.workers.main import worker_main  # imports torch only inside the worker process
 

@@ -41,7 +41,7 @@ from pagebus.bus.messages import (
 )
 from pagebus.bus.proc import StartupError
 from pagebus.bus.sockets import DEFAULT_HWM
-from pagebus.frontends.launcher import Launcher
+from pagebus.frontends.engine.launcher import Launcher
 from pagebus.frontends.model_files import model_name, resolve_model
 
 log = logging.getLogger(__name__)

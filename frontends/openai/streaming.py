@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 from pagebus.bus.messages import RequestDelta, TokenLogprobs
-from pagebus.frontends.http.errors import ErrorResponse
-from pagebus.frontends.http.protocol import (
+from pagebus.frontends.openai.errors import ErrorResponse
+from pagebus.frontends.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatLogprobs,
