@@ -21,7 +21,7 @@ _HELP = {
 }
 
 
-def _scalar_type(annotation: Any) -> tuple[type | None, list[str] | None]:
+def _scalar_type(annotation: Any) -> tuple[Any, list[str] | None]:
     """(python type, choices) of an EngineConfig annotation such as `int | None` or Literal."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal:

@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
+from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import SamplingParams
 from pagebus.frontends.args import add_engine_args, engine_config_from_args
 
@@ -61,10 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cfg_kwargs(cfg: object) -> dict[str, object]:
+def _cfg_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     import msgspec
 
-    return msgspec.structs.asdict(cfg)  # type: ignore[arg-type]
+    return msgspec.structs.asdict(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

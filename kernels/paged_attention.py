@@ -225,7 +225,7 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt  # type: ignore[attr-defined]  # a Triton scalar, not the int `lo = 0` suggests
     for start in range(kv_lo, kv_hi, BLOCK_N):
         kv = start + tl.arange(0, BLOCK_N)
         kv_ok = kv < kv_hi  # also keeps the block-table read inside this sequence's row

@@ -135,7 +135,7 @@ def load_weights(model: nn.Module, weights: WeightIter) -> None:
         loader = getattr(param, "weight_loader", _default_loader)
         loader(param, tensor, shard)
         loaded.add(name)
-    tied = getattr(model, "tied_parameter_names", set())
+    tied: set[str] = getattr(model, "tied_parameter_names", set())
     missing = set(params) - loaded - tied
     if missing:
         raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")

@@ -14,7 +14,7 @@ from pagebus.workers.layers.rotary import build_cos_sin_cache
 from pagebus.workers.model_config import ModelConfig
 from torch import nn
 
-_FUSED = {
+_FUSED: dict[str, tuple[str, str | int]] = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
