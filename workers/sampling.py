@@ -1,20 +1,47 @@
-"""Batched sampling over requests with different parameters.
+"""Batched sampling over requests with different parameters, on the logits' device.
 
-Order, as vLLM applies it: penalties -> min_tokens mask -> greedy rows take the argmax;
-random rows divide by temperature, mask with top_k / top_p / min_p and draw by the
-exponential race (argmax of p / Exp(1) noise), which needs no cumulative sum and lets every
-row use its own noise source. Logprobs are of the raw model distribution (vLLM's default).
-A seeded row draws its noise from a generator keyed by (seed, sample index, output
-position), so its output depends on nothing else in the batch and survives preemption.
+Order, as vLLM applies it: repetition / frequency / presence penalties -> min_tokens mask (stop
+ids get -inf while fewer than min_tokens were generated) -> greedy rows take the argmax; random
+rows divide by their temperature, keep only the tokens at or above a per-row cutoff logit
+(top_k; top_p over the top_k-renormalised mass; min_p relative to the top token) and draw by the
+exponential race: argmax of p / E with E ~ Exp(1) per token, computed as argmax(logit/T - log E).
+The race needs no cumulative sum and lets every row have its own noise. Logprobs are of the raw
+model distribution (vLLM's default): the chosen token's, its rank and the top N.
+
+Noise: E is a pure function of (row key, token id), not a draw from a generator stream, so all
+rows are sampled in one batched pass on any device: a 32-bit integer hash (lowbias32) of
+`token_id * mul + add` in int32 arithmetic (which wraps modulo 2**32 on every torch backend),
+read as u = (h + 0.5) / 2**32 in (0, 1) exactly in float64, then E = -log u. A seeded row's
+(mul, add) key derives from (seed, sample index, output position), so its token depends on
+nothing else in the batch and survives preemption; unseeded rows key on (engine seed, call
+counter, row).
+
+API: `Sampler(seed)(logits, rows)` takes `SampleRow`s and returns host lists; it is a thin
+wrapper over `Sampler.sample(logits, SamplingTensors.build(...))`, which works on device tensors
+only and returns a `SampleOutput` whose `to_host()` is the one device->host transfer. A caller
+that keeps per-sequence state in tensors may fill `SamplingTensors` itself. On CUDA, `sample`
+never synchronises; on CPU (where reading a tensor is free) top_p searches a growing top-k
+instead of sorting the whole vocabulary. `sampling_ref.py` is the per-row spec it must equal.
 """
 
 from __future__ import annotations
 
-import hashlib
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pagebus.bus.messages import SamplingParams, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+_SEEDED, _UNSEEDED = 0x5EED, 0xF4EE  # key domains: a seeded row never shares an unseeded key
+# lowbias32 (C. Wellons' hash prospector) multipliers, as signed int32
+_H1 = 0x7FEB352D
+_H2 = 0x846CA68B - (1 << 32)
+_TOP_P_SEARCH_FROM = 512  # CPU: first top-k width tried for top_p rows without top_k
+
+_ToDevice = Callable[[list[Any], torch.dtype], torch.Tensor]  # host list -> device tensor
 
 
 @dataclass
@@ -26,105 +53,383 @@ class SampleRow:
     stop_ids: tuple[int, ...]  # ids masked while fewer than min_tokens were generated
 
 
-def _noise_seed(seed: int, sample_index: int, position: int) -> int:
-    key = f"{seed}:{sample_index}:{position}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+# ---------------------------------------------------------------------------------- noise
+def _mix64(x: int) -> int:
+    """splitmix64's step and finaliser."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for unseeded random rows
+def _int32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
 
-    def __call__(
-        self, logits: torch.Tensor, rows: list[SampleRow]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [num_rows, vocab] float32 on any device. Returns token ids and logprobs."""
-        logits = logits.float().cpu()
-        raw = logits
-        if any(_has_penalty(r.params) or len(r.output_ids) < r.params.min_tokens for r in rows):
-            logits = logits.clone()
-            for i, r in enumerate(rows):
-                _apply_penalties(logits[i], r)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            idx = torch.tensor(random_rows)
-            picked = self._sample_random(logits[idx], [rows[i] for i in random_rows])
-            tokens[idx] = picked
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(raw[torch.tensor(want)], dim=-1)
-            for j, i in enumerate(want):
-                logprobs[i] = _token_logprobs(lp[j], token_list[i], rows[i].params.logprobs or 0)
-        return token_list, logprobs
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        temp = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
-        logits = logits / temp
-        top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _mask_top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(rows):
-            if r.params.seed is None:
-                noise[i].exponential_(generator=self.generator)
-            else:
-                g = torch.Generator().manual_seed(
-                    _noise_seed(r.params.seed, r.sample_index, len(r.output_ids))
-                )
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+def row_key(domain: int, a: int, b: int, c: int) -> tuple[int, int]:
+    """The (mul, add) int32 key of one row's noise: mul is odd, so ids map to distinct inputs."""
+    k = _mix64(_mix64(_mix64(_mix64(domain) ^ (a & _MASK64)) ^ (b & _MASK64)) ^ (c & _MASK64))
+    return _int32((k >> 32) | 1), _int32(k & 0xFFFFFFFF)
+
+
+def seeded_key(seed: int, sample_index: int, position: int) -> tuple[int, int]:
+    return row_key(_SEEDED, seed, sample_index, position)
+
+
+def unseeded_key(engine_seed: int, call: int, row: int) -> tuple[int, int]:
+    return row_key(_UNSEEDED, engine_seed, call, row)
+
+
+def log_exp_noise(key_mul: torch.Tensor, key_add: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log E, E ~ Exp(1), float32 [rows, n] for int32 keys [rows, 1] and int32 token ids [n] or
+    [rows, n]. Each element depends only on its row's key and its token id."""
+    return log_exp_of_hash(hash32(key_mul, key_add, ids))
+
+
+def hash32(key_mul: torch.Tensor, key_add: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """lowbias32(id * mul + add) as int32, in wrapping int32 arithmetic."""
+    z = ids * key_mul
+    z += key_add
+    z ^= (z >> 16) & 0xFFFF  # logical shifts: >> is arithmetic on signed ints
+    z *= _H1
+    z ^= (z >> 15) & 0x1FFFF
+    z *= _H2
+    z ^= (z >> 16) & 0xFFFF
+    return z
+
+
+def log_exp_of_hash(z: torch.Tensor) -> torch.Tensor:
+    """log E for E = -log u, u uniform on (0, 1) from a uniform int32 hash z."""
+    # h = z + 2**31 in [0, 2**32); u = (h + 0.5) / 2**32 is exact in float64, never 0 or 1
+    u = z.double().add_(2.0**31 + 0.5).mul_(2.0**-32)
+    return u.log_().neg_().float().log_()
+
+
+# ------------------------------------------------------------------------- parameter tensors
+@dataclass
+class Penalties:
+    """Rows with any penalty. Id tensors are padded with `vocab` (an id no logit has)."""
+
+    rows: torch.Tensor | None  # [P] long rows of the batch; None: every row
+    repetition: torch.Tensor  # [P, 1] float32
+    seen_ids: torch.Tensor | None  # [P, L] long prompt + output ids; None: no repetition penalty
+    frequency: torch.Tensor  # [P, 1] float32
+    presence: torch.Tensor  # [P, 1] float32
+    output_ids: torch.Tensor | None  # [P, Lo] long; None: no frequency / presence penalty
+
+
+@dataclass
+class RandomRows:
+    """Rows that draw. Every tensor has one row per random row, in batch order."""
+
+    rows: torch.Tensor | None  # [R] long rows of the batch; None: every row
+    temperature: torch.Tensor  # [R, 1] float32
+    key_mul: torch.Tensor  # [R, 1] int32
+    key_add: torch.Tensor  # [R, 1] int32
+    log_min_p: torch.Tensor | None  # [R, 1] float32, -inf without min_p; None: no row has min_p
+    trunc_rows: torch.Tensor | None  # [T] long rows (of the random rows) with top_k or top_p
+    top_k: torch.Tensor | None  # [T] long, vocab when off
+    top_p: torch.Tensor | None  # [T] float32
+    max_top_k: int  # largest top_k below vocab among trunc rows (0: none)
+    any_top_p: bool
+    any_full_k: bool  # a trunc row without top_k (its top_p mass spans the whole vocab)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters of one sampling call, one tensor per field on the logits' device, with
+    the few host-side facts that choose which work runs (so sample() never reads the device)."""
+
+    num_rows: int
+    vocab: int
+    greedy_rows: torch.Tensor | None  # [G] long; None: every row is greedy or every row draws
+    all_greedy: bool
+    random: RandomRows | None
+    penalties: Penalties | None
+    min_tokens_idx: torch.Tensor | None  # flat indices row * vocab + stop id to mask
+    logprob_rows: list[int]  # rows that want logprobs
+    logprob_index: torch.Tensor | None  # the same rows, [L] long; None: no row wants them
+    logprob_n: list[int]  # top-N per logprob row
+
+    @staticmethod
+    def build(
+        rows: list[SampleRow], vocab: int, device: torch.device, engine_call: tuple[int, int]
+    ) -> SamplingTensors:
+        """engine_call: (engine seed, call counter), which key unseeded rows with their row index."""
+
+        def t(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        n = len(rows)
+        params = [r.params for r in rows]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        random = _random_rows(rows, rand, n, vocab, engine_call, t) if rand else None
+        pen = [i for i, p in enumerate(params) if _has_penalty(p)]
+        penalties = _penalties(rows, pen, n, vocab, t) if pen else None
+        mask = [
+            i * vocab + s
+            for i, r in enumerate(rows)
+            if len(r.output_ids) < r.params.min_tokens
+            for s in r.stop_ids
+        ]
+        lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return SamplingTensors(
+            num_rows=n,
+            vocab=vocab,
+            greedy_rows=t(greedy, torch.long) if greedy and rand else None,
+            all_greedy=not rand,
+            random=random,
+            penalties=penalties,
+            min_tokens_idx=t(mask, torch.long) if mask else None,
+            logprob_rows=lp,
+            logprob_index=t(lp, torch.long) if lp else None,
+            logprob_n=[params[i].logprobs or 0 for i in lp],
+        )
 
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _apply_penalties(row: torch.Tensor, r: SampleRow) -> None:
-    """In place on one row of logits [vocab]."""
-    p = r.params
-    if p.repetition_penalty != 1.0:
-        # Over prompt and output (vLLM/HF): shrink positive logits, push negative ones down.
-        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if r.output_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
-        counts = torch.bincount(torch.tensor(r.output_ids), minlength=row.shape[0]).float()
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    if len(r.output_ids) < p.min_tokens and r.stop_ids:
-        row[torch.tensor(r.stop_ids)] = float("-inf")
+def _padded(lists: list[list[int]], pad: int) -> list[list[int]]:
+    width = max(1, max(len(x) for x in lists))
+    return [x + [pad] * (width - len(x)) for x in lists]
 
 
-def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.tensor([v if v > 0 else vocab for v in top_k]).clamp(max=vocab)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    drop = ranks >= k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # drop a token when the tokens ranked above it already hold top_p of the mass
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_p).unsqueeze(1)
-    drop[:, 0] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _token_logprobs(lp: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
-    chosen = float(lp[token])
-    rank = int((lp > lp[token]).sum()) + 1
-    top_vals, top_ids = lp.topk(top_n) if top_n > 0 else (lp[:0], lp[:0].long())
-    return TokenLogprobs(
-        token_id=token,
-        logprob=chosen,
-        rank=rank,
-        top_token_ids=top_ids.tolist(),
-        top_logprobs=top_vals.tolist(),
+def _penalties(rows: list[SampleRow], pen: list[int], n: int, vocab: int, t: _ToDevice) -> Penalties:
+    ps = [rows[i].params for i in pen]
+    any_rep = any(p.repetition_penalty != 1.0 for p in ps)
+    any_count = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps)
+    seen = _padded([rows[i].prompt_ids + rows[i].output_ids for i in pen], vocab) if any_rep else None
+    out = _padded([rows[i].output_ids for i in pen], vocab) if any_count else None
+    return Penalties(
+        rows=None if len(pen) == n else t(pen, torch.long),
+        repetition=t([[p.repetition_penalty] for p in ps], torch.float32),
+        seen_ids=t(seen, torch.long) if seen is not None else None,
+        frequency=t([[p.frequency_penalty] for p in ps], torch.float32),
+        presence=t([[p.presence_penalty] for p in ps], torch.float32),
+        output_ids=t(out, torch.long) if out is not None else None,
     )
+
+
+def _random_rows(
+    rows: list[SampleRow],
+    rand: list[int],
+    n: int,
+    vocab: int,
+    engine_call: tuple[int, int],
+    t,
+) -> RandomRows:
+    ps = [rows[i].params for i in rand]
+    keys = [
+        seeded_key(p.seed, rows[i].sample_index, len(rows[i].output_ids))
+        if p.seed is not None
+        else unseeded_key(*engine_call, i)
+        for i, p in zip(rand, ps, strict=True)
+    ]
+    trunc = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    top_k = [ps[j].top_k if 0 < ps[j].top_k < vocab else vocab for j in trunc]
+    return RandomRows(
+        rows=None if len(rand) == n else t(rand, torch.long),
+        temperature=t([[p.temperature] for p in ps], torch.float32),
+        key_mul=t([[k[0]] for k in keys], torch.int32),
+        key_add=t([[k[1]] for k in keys], torch.int32),
+        log_min_p=(
+            t([[math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in ps], torch.float32)
+            if any(p.min_p > 0 for p in ps)
+            else None
+        ),
+        trunc_rows=None if not trunc or len(trunc) == len(ps) else t(trunc, torch.long),
+        top_k=t(top_k, torch.long) if trunc else None,
+        top_p=t([ps[j].top_p for j in trunc], torch.float32) if trunc else None,
+        max_top_k=max((k for k in top_k if k < vocab), default=0),
+        any_top_p=any(ps[j].top_p < 1.0 for j in trunc),
+        any_full_k=any(k == vocab for k in top_k),
+    )
+
+
+# --------------------------------------------------------------------------------- sampling
+@dataclass
+class SampleOutput:
+    """Device tensors of one call; logprob fields are None when no row asked for them."""
+
+    token_ids: torch.Tensor  # [B] long
+    logprob_rows: list[int]
+    logprob_n: list[int]
+    chosen_logprob: torch.Tensor | None  # [L] float32
+    rank: torch.Tensor | None  # [L] long
+    top_logprobs: torch.Tensor | None  # [L, max N] float32
+    top_ids: torch.Tensor | None  # [L, max N] long
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One device->host copy (ids, ranks and float32 values are exact in float64)."""
+        b = self.token_ids.shape[0]
+        logprobs: list[TokenLogprobs | None] = [None] * b
+        if self.chosen_logprob is None or self.rank is None:
+            return self.token_ids.tolist(), logprobs
+        parts = [self.token_ids.double(), self.chosen_logprob.double(), self.rank.double()]
+        width = 0
+        if self.top_logprobs is not None and self.top_ids is not None:
+            width = self.top_logprobs.shape[1]
+            parts += [self.top_logprobs.double().flatten(), self.top_ids.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        num = len(self.logprob_rows)
+        tokens = [int(v) for v in flat[:b]]
+        chosen, ranks = flat[b : b + num], flat[b + num : b + 2 * num]
+        vals, ids = flat[b + 2 * num : b + 2 * num + num * width], flat[b + 2 * num + num * width :]
+        for j, (i, top_n) in enumerate(zip(self.logprob_rows, self.logprob_n, strict=True)):
+            row = slice(j * width, j * width + top_n)
+            logprobs[i] = TokenLogprobs(
+                token_id=tokens[i],
+                logprob=chosen[j],
+                rank=int(ranks[j]),
+                top_token_ids=[int(v) for v in ids[row]],
+                top_logprobs=vals[row],
+            )
+        return tokens, logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.calls = 0  # keys unseeded rows: a fresh draw every call
+        self._ids: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [num_rows, vocab] on any device. Returns token ids and logprobs."""
+        st = SamplingTensors.build(rows, logits.shape[-1], logits.device, (self.seed, self.calls))
+        return self.sample(logits, st).to_host()
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+        self.calls += 1
+        raw = logits.float()
+        work = raw
+        if st.penalties is not None or st.min_tokens_idx is not None:
+            work = raw.clone()
+            if st.penalties is not None:
+                _apply_penalties(work, st.penalties)
+            if st.min_tokens_idx is not None:
+                work.view(-1).index_fill_(0, st.min_tokens_idx, -math.inf)
+        if st.random is None:
+            tokens = work.argmax(dim=-1)
+        else:
+            r = st.random
+            if r.rows is not None:
+                x = work[r.rows]
+            else:
+                x = work if work is not raw else raw.clone()
+            drawn = self._draw(x, r)
+            if r.rows is None:
+                tokens = drawn
+            else:
+                tokens = torch.empty(st.num_rows, dtype=torch.long, device=work.device)
+                tokens[r.rows] = drawn
+                if st.greedy_rows is not None:
+                    tokens[st.greedy_rows] = work[st.greedy_rows].argmax(dim=-1)
+        out = SampleOutput(tokens, st.logprob_rows, st.logprob_n, None, None, None, None)
+        if st.logprob_index is not None:
+            lp = torch.log_softmax(raw[st.logprob_index], dim=-1)
+            chosen = lp.gather(1, tokens[st.logprob_index].unsqueeze(1))
+            out.chosen_logprob = chosen.squeeze(1)
+            out.rank = (lp > chosen).sum(dim=-1) + 1
+            top_n = max(st.logprob_n)
+            if top_n > 0:
+                out.top_logprobs, out.top_ids = lp.topk(top_n, dim=-1)
+        return out
+
+    def _token_ids(self, vocab: int, device: torch.device) -> torch.Tensor:
+        ids = self._ids.get((vocab, device))
+        if ids is None:
+            ids = self._ids[(vocab, device)] = torch.arange(vocab, dtype=torch.int32, device=device)
+        return ids
+
+    def _draw(self, x: torch.Tensor, r: RandomRows) -> torch.Tensor:
+        """x: [R, vocab] penalised logits of the random rows, modified in place."""
+        num, vocab = x.shape
+        x /= r.temperature
+        cutoff: torch.Tensor | None = None
+        if r.top_k is not None and r.top_p is not None:
+            xt = x[r.trunc_rows] if r.trunc_rows is not None else x
+            cut = _truncation_cutoff(xt, r, host_sync=x.device.type == "cpu")
+            if r.trunc_rows is not None:
+                cutoff = torch.full((num,), -math.inf, device=x.device).index_copy_(0, r.trunc_rows, cut)
+            else:
+                cutoff = cut
+        if r.log_min_p is not None:
+            cut = (x.amax(dim=-1, keepdim=True) + r.log_min_p).squeeze(1)
+            cutoff = cut if cutoff is None else torch.maximum(cutoff, cut)
+        ids = self._token_ids(vocab, x.device)
+        tokens = torch.empty(num, dtype=torch.long, device=x.device)
+        # CPU: a few rows at a time so the hash's intermediates stay in cache
+        step = max(1, (1 << 17) // vocab) if x.device.type == "cpu" else max(1, (1 << 22) // vocab)
+        for a in range(0, num, step):
+            b = min(num, a + step)
+            score = x[a:b] - log_exp_noise(r.key_mul[a:b], r.key_add[a:b], ids)
+            if cutoff is not None:
+                score.masked_fill_(x[a:b] < cutoff[a:b].unsqueeze(1), -math.inf)
+            tokens[a:b] = score.argmax(dim=-1)
+        return tokens
+
+
+def _apply_penalties(work: torch.Tensor, pen: Penalties) -> None:
+    """In place on work [B, vocab]. Penalised ids are gathered and scattered back; a padding id
+    (vocab) is clamped onto vocab - 1 and writes that token's own correct value, so duplicate
+    writes always agree."""
+    vocab = work.shape[1]
+    sub = work[pen.rows] if pen.rows is not None else work
+    if pen.seen_ids is not None:
+        seen = torch.zeros(sub.shape[0], vocab + 1, dtype=torch.bool, device=work.device)
+        seen.scatter_(1, pen.seen_ids, True)
+        idx = pen.seen_ids.clamp(max=vocab - 1)
+        vals = sub.gather(1, idx)
+        r = pen.repetition
+        # over prompt and output (vLLM/HF): shrink positive logits, push negative ones down
+        new = torch.where(vals > 0, vals / r, vals * r)
+        sub.scatter_(1, idx, torch.where(seen.gather(1, idx), new, vals))
+    if pen.output_ids is not None:
+        counts = torch.zeros(sub.shape[0], vocab + 1, device=work.device)
+        counts.scatter_add_(1, pen.output_ids, torch.ones_like(pen.output_ids, dtype=torch.float32))
+        idx = pen.output_ids.clamp(max=vocab - 1)
+        c = counts.gather(1, idx)
+        vals = sub.gather(1, idx)
+        sub.scatter_(1, idx, vals - (pen.frequency * c + pen.presence * (c > 0)))
+    if pen.rows is not None:
+        work[pen.rows] = sub
+
+
+def _truncation_cutoff(x: torch.Tensor, r: RandomRows, host_sync: bool) -> torch.Tensor:
+    """The smallest kept logit of each row of x [T, vocab] under top_k then top_p.
+
+    top_p keeps the sorted tokens whose mass before them (of the top_k-renormalised
+    distribution) is below top_p, and always the first. Only the first K sorted values are
+    needed when the boundary lies inside them; with host_sync (CPU) a top_p row without top_k
+    tries K = 512, 4096, ... before the full sort, on CUDA it sorts at once.
+    """
+    assert r.top_k is not None and r.top_p is not None
+    vocab = x.shape[1]
+    k, top_p = r.top_k, r.top_p
+    width = r.max_top_k
+    if r.any_full_k:
+        width = max(width, _TOP_P_SEARCH_FROM if host_sync else vocab)
+    width = min(vocab, max(width, 1))
+    full_sum: torch.Tensor | None = None
+    while True:
+        vals = x.topk(width, dim=-1).values if width < vocab else x.sort(dim=-1, descending=True).values
+        if not r.any_top_p:
+            return vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+        rank = torch.arange(width, device=x.device)
+        e = (vals - vals[:, :1]).exp_() * (rank < k.unsqueeze(1))
+        cs = e.cumsum(dim=-1)
+        total = cs.gather(1, (k - 1).clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+        if r.any_full_k:
+            if full_sum is None:
+                full_sum = (x - vals[:, :1]).exp_().sum(dim=-1)
+            total = torch.where(k == vocab, full_sum, total)
+        kept = (cs[:, :-1] < (top_p * total).unsqueeze(1)).sum(dim=-1) + 1
+        kept = torch.minimum(kept, k)
+        if width == vocab or bool(((k <= width) | ((k == vocab) & (kept < width))).all()):
+            return vals.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+        width = min(vocab, width * 8)

@@ -1,0 +1,193 @@
+"""The batched sampler against its per-row spec (workers/sampling_ref.py), and its noise."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from pagebus.bus.messages import SamplingParams
+from pagebus.workers import sampling, sampling_ref
+from pagebus.workers.sampling import Sampler, SampleRow, hash32, log_exp_of_hash, seeded_key, unseeded_key
+
+STOP = (3, 11)
+
+
+def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    def maybe(p: float, value: object, default: object) -> object:
+        return value if rng.random() < p else default
+
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.0, 0.3, 0.7, 1.0, 1.0, 1.5]),
+        top_k=rng.choice([0, -1, 0, 1, 2, 5, 40, vocab - 1, vocab, vocab + 7]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 0.95, 1e-6]),
+        min_p=maybe(0.3, rng.choice([0.05, 0.2, 1.0]), 0.0),  # type: ignore[arg-type]
+        repetition_penalty=maybe(0.3, rng.choice([0.7, 1.3, 2.0]), 1.0),  # type: ignore[arg-type]
+        presence_penalty=maybe(0.3, rng.choice([-1.0, 0.5, 2.0]), 0.0),  # type: ignore[arg-type]
+        frequency_penalty=maybe(0.3, rng.choice([-0.5, 0.3, 1.5]), 0.0),  # type: ignore[arg-type]
+        min_tokens=maybe(0.2, rng.choice([1, 4, 50]), 0),  # type: ignore[arg-type]
+        logprobs=rng.choice([None, None, 0, 5]),
+        seed=maybe(0.5, rng.randrange(-(2**40), 2**63), None),  # type: ignore[arg-type]
+    )
+
+
+def _random_row(rng: random.Random, vocab: int) -> SampleRow:
+    # few distinct ids, so prompt and output repeat tokens (and hit the logits' top)
+    pool = [rng.randrange(vocab) for _ in range(6)]
+    prompt = [rng.choice(pool) for _ in range(rng.randint(1, 12))]
+    output = [rng.choice(pool) for _ in range(rng.randint(0, 8))]
+    return SampleRow(_random_params(rng, vocab), prompt, output, rng.randint(0, 3), STOP)
+
+
+def _reference(logits: torch.Tensor, rows: list[SampleRow], engine_seed: int, call: int) -> list[int]:
+    out = []
+    for i, (lg, r) in enumerate(zip(logits, rows, strict=True)):
+        p = r.params
+        key = (
+            seeded_key(p.seed, r.sample_index, len(r.output_ids))
+            if p.seed is not None
+            else unseeded_key(engine_seed, call, i)
+        )
+        out.append(sampling_ref.sample_row(lg, r, key))
+    return out
+
+
+def _logits(rng: random.Random, rows: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    scale = rng.choice([0.5, 3.0, 8.0])  # flat to peaked distributions
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+@pytest.mark.parametrize("search_from", [4, 512, 10**9])  # 10**9: the full sort, as on CUDA
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_batched_equals_reference_on_a_seeded_grid(
+    vocab: int, search_from: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sampling, "_TOP_P_SEARCH_FROM", search_from)
+    rng = random.Random(vocab * 7 + search_from)
+    sampler = Sampler(5)
+    for size in [1, 2, 3, 5, 8, 13, 21, 33]:
+        for _ in range(2):
+            rows = [_random_row(rng, vocab) for _ in range(size)]
+            logits = _logits(rng, size, vocab)
+            call = sampler.calls
+            tokens, lps = sampler(logits, rows)
+            assert tokens == _reference(logits, rows, 5, call), (size, [r.params for r in rows])
+            for lg, r, tok, lp in zip(logits, rows, tokens, lps, strict=True):
+                if r.params.logprobs is None:
+                    assert lp is None
+                    continue
+                ref = sampling_ref.token_logprobs(lg, tok, r.params.logprobs)
+                assert lp is not None and (lp.token_id, lp.rank, lp.top_token_ids) == (
+                    ref.token_id,
+                    ref.rank,
+                    ref.top_token_ids,
+                )
+                assert math.isclose(lp.logprob, ref.logprob, rel_tol=1e-5, abs_tol=1e-5)
+                assert all(
+                    math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
+                    for a, b in zip(lp.top_logprobs, ref.top_logprobs, strict=True)
+                )
+
+
+def test_every_knob_alone_equals_reference() -> None:
+    vocab = 200
+    rng = random.Random(1)
+    base = {"temperature": 0.8, "seed": 42}
+    knobs = [
+        {"temperature": 0.0},
+        {},
+        {"top_k": 1},
+        {"top_k": 7},
+        {"top_k": vocab * 3},
+        {"top_p": 1e-9},
+        {"top_p": 0.6},
+        {"top_k": 20, "top_p": 0.5},
+        {"min_p": 0.1},
+        {"min_p": 1.0},
+        {"top_k": 10, "top_p": 0.9, "min_p": 0.3},
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.7},
+        {"repetition_penalty": 0.5, "presence_penalty": -1.0, "frequency_penalty": 2.0},
+        {"min_tokens": 5},
+        {"temperature": 0.0, "min_tokens": 5, "repetition_penalty": 1.5},
+    ]
+    for knob in knobs:
+        params = SamplingParams(**(base | knob))  # type: ignore[arg-type]
+        rows = [
+            SampleRow(params, [1, 2, 2, 9], [out] * n + [3], idx, STOP)
+            for out, n, idx in [(9, 0, 0), (9, 3, 1), (4, 2, 0), (5, 1, 2)]
+        ]
+        logits = _logits(rng, len(rows), vocab)
+        logits[:, list(STOP)] += 6.0  # the stop ids lead, so min_tokens matters
+        logits[:, 9] += 4.0  # a repeated token near the top, so penalties matter
+        tokens, _ = Sampler(0)(logits, rows)
+        assert tokens == _reference(logits, rows, 0, 0), knob
+
+
+def test_seeded_row_is_the_same_alone_and_in_any_batch() -> None:
+    vocab = 1000
+    rng = random.Random(7)
+    logits = _logits(rng, 40, vocab)
+    rows = [_random_row(rng, vocab) for _ in range(40)]
+    seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy]
+    assert len(seeded) >= 5
+    alone = {i: Sampler(0)(logits[i : i + 1], [rows[i]])[0][0] for i in seeded}
+    for trial in range(4):
+        pick = sorted(rng.sample(range(40), rng.randint(len(seeded), 40)) + seeded)
+        pick = sorted(set(pick))
+        rng.shuffle(pick)
+        tokens, _ = Sampler(trial)(logits[pick], [rows[i] for i in pick])
+        for pos, i in enumerate(pick):
+            if i in alone:
+                assert tokens[pos] == alone[i], (trial, i)
+
+
+def test_unseeded_rows_draw_afresh_each_call_and_repeat_with_the_engine_seed() -> None:
+    logits = torch.zeros(4, 1000)  # uniform: every draw is the noise's argmax
+    rows = [SampleRow(SamplingParams(temperature=1.0), [1], [], 0, ())] * 4
+    a, b = Sampler(3), Sampler(3)
+    first = [a(logits, rows)[0] for _ in range(3)]
+    assert first == [b(logits, rows)[0] for _ in range(3)]
+    assert first[0] != first[1] and len(set(first[0])) > 1
+
+
+# ------------------------------------------------------------------------------ the noise
+def _uniforms(num_keys: int, vocab: int) -> torch.Tensor:
+    keys = [seeded_key(s, 0, 0) for s in range(num_keys)]
+    mul = torch.tensor([[k[0]] for k in keys], dtype=torch.int32)
+    add = torch.tensor([[k[1]] for k in keys], dtype=torch.int32)
+    z = hash32(mul, add, torch.arange(vocab, dtype=torch.int32)).double()
+    return (z + (2.0**31 + 0.5)) / 2.0**32
+
+
+def test_noise_is_exponential_with_32_bit_uniforms() -> None:
+    u = _uniforms(32, 65536).flatten()  # 2M draws
+    n = u.numel()
+    # far more distinct values than 24 bits allow (~N**2 / 2**33 collisions at 32 bits)
+    assert torch.unique(u).numel() > n - 4 * n * n / 2**33
+    # chi-square over 1024 equal bins: mean 1023, sd ~45
+    counts = torch.bincount((u * 1024).long(), minlength=1024).double()
+    chi2 = float(((counts - n / 1024) ** 2 / (n / 1024)).sum())
+    assert chi2 < 1023 + 6 * math.sqrt(2 * 1023)
+    # Kolmogorov-Smirnov against U(0, 1): the 0.1% critical value is 1.95 / sqrt(n)
+    s = u.sort().values
+    grid = torch.arange(1, n + 1, dtype=torch.float64) / n
+    assert float(torch.maximum(grid - s, s - (grid - 1 / n)).max()) < 1.95 / math.sqrt(n)
+    exp = -u.log()
+    assert abs(float(exp.mean()) - 1) < 5 / math.sqrt(n) and abs(float(exp.var()) - 1) < 20 / math.sqrt(n)
+    # neighbours (next id, next key) are uncorrelated
+    grid2 = u.view(32, 65536) - 0.5
+    assert abs(float((grid2[:, 1:] * grid2[:, :-1]).mean()) * 12) < 0.01
+    assert abs(float((grid2[1:] * grid2[:-1]).mean()) * 12) < 0.01
+
+
+def test_noise_extremes_are_finite_and_positive() -> None:
+    z = torch.tensor([-(2**31), -(2**31) + 1, -1, 0, 2**31 - 2, 2**31 - 1], dtype=torch.int32)
+    e = log_exp_of_hash(z).double().exp()
+    assert bool(torch.isfinite(e).all()) and bool((e > 0).all())
+    assert float(e[0]) == pytest.approx(33 * math.log(2), rel=1e-3)  # u = 2**-33
+    assert float(e[-1]) == pytest.approx(2.0**-33, rel=1e-3)  # u = 1 - 2**-33
+    assert bool((e[:-1] >= e[1:]).all())  # non-increasing in the hash (float32 merges neighbours)
