@@ -15,6 +15,7 @@ from pagebus.bus.validation import need
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackend = Literal["auto", "triton", "torch"]
+LoadFormat = Literal["auto", "dummy"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 
@@ -37,6 +38,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     device: str = "auto"  # auto: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads in the worker; None: torch's default
     tensor_parallel_size: int = 1
+    load_format: LoadFormat = "auto"  # dummy: config.json only, small random weights (benchmarks)
+    # Decode batch sizes captured as CUDA graphs (vLLM's name): [] is 1, 2, 4, then multiples of
+    # 8 up to 512; one value N is that pattern up to N; several are used as given. Sizes above
+    # max_num_seqs are dropped. CUDA only.
+    cuda_graph_sizes: list[int] = []
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
 
 
 def check_engine_config(cfg: EngineConfig) -> EngineConfig:
@@ -57,7 +64,17 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.max_num_seqs > 0, "max_num_seqs must be positive")
     need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
     need(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads must be >= 1")
+    need(all(n > 0 for n in cfg.cuda_graph_sizes), "cuda_graph_sizes must be positive")
     return cfg
+
+
+def cuda_graph_batch_sizes(cfg: EngineConfig) -> list[int]:
+    """The decode batch sizes to capture, ascending, none above max_num_seqs."""
+    sizes = cfg.cuda_graph_sizes
+    if len(sizes) <= 1:
+        top = sizes[0] if sizes else 512
+        sizes = [n for n in (1, 2, 4) if n <= top] + list(range(8, top + 1, 8))
+    return sorted({n for n in sizes if n <= cfg.max_num_seqs})
 
 
 def make_engine_config(**kwargs: object) -> EngineConfig:

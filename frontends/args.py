@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = _HELP.get(name, "") + (f" (default: {default})" if default is not None else "")
         if typ is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif typing.get_origin(typ) is list:  # e.g. --cuda-graph-sizes 1 2 4 8
+            (item,) = typing.get_args(typ)
+            group.add_argument(flag, type=item, nargs="+", default=None, help=help_text)
         else:
             group.add_argument(flag, type=typ, choices=choices, default=None, help=help_text)
     group.add_argument(

@@ -47,12 +47,21 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    seq_lens_host: list[int] | None = None,
+    query_start_loc_host: list[int] | None = None,
 ) -> torch.Tensor:
     """The spec, and the CPU path: decodes go through one padded batched SDPA, prefill chunks
-    one by one (they are few and large, so the loop costs nothing). Softmax runs in fp32."""
+    one by one (they are few and large, so the loop costs nothing). Softmax runs in fp32.
+
+    seq_lens_host / query_start_loc_host: host copies of the two tensors; when given, neither
+    tensor is read back. max_query_len / max_seq_len complete the launchers' common signature;
+    this path derives both from the per-sequence lengths it needs anyway."""
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist() if query_start_loc_host is None else query_start_loc_host
+    lens = seq_lens.tolist() if seq_lens_host is None else seq_lens_host
     qlens = [b - a for a, b in itertools.pairwise(starts)]
     decode = [i for i, n in enumerate(qlens) if n == 1]
     prefill = [i for i, n in enumerate(qlens) if n > 1]
@@ -324,6 +333,9 @@ def paged_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    seq_lens_host: list[int] | None = None,
+    query_start_loc_host: list[int] | None = None,
     out: torch.Tensor | None = None,
     options: PagedAttentionOptions | None = None,
 ) -> torch.Tensor:
@@ -331,7 +343,12 @@ def paged_attention(
 
     max_query_len: an upper bound on the query lengths (the tighter, the smaller the tiles) avoids a
         device-to-host read, so the call can be captured in a CUDA graph. An underestimate
-        leaves query tiles out, silently.
+        leaves query tiles out, silently. Without it, query_start_loc_host gives it, else it
+        is read back from the device.
+    max_seq_len: an upper bound on seq_lens (e.g. max_model_len under a CUDA graph); it caps the
+        KV splits so short contexts do not launch empty ones. seq_lens_host gives it when absent.
+    seq_lens_host / query_start_loc_host: host copies of those tensors (the kernel itself only
+        reads the device tensors).
     out: [num_tokens, num_heads, head_dim] buffer to write into; rows past the last sequence
         (padding tokens) are left untouched."""
     opts = options or PagedAttentionOptions()
@@ -349,8 +366,12 @@ def paged_attention(
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous head_dim")
     num_seqs = seq_lens.shape[0]
+    if max_query_len is None and query_start_loc_host is not None:
+        max_query_len = max((b - a for a, b in itertools.pairwise(query_start_loc_host)), default=0)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    if max_seq_len is None and seq_lens_host is not None:
+        max_seq_len = max(seq_lens_host, default=0)
     if num_tokens == 0 or max_query_len == 0:
         return out
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
@@ -371,6 +392,9 @@ def paged_attention(
 
     part_bytes = num_tokens * num_heads * (t.head_pad + 2) * 4
     splits = opts.num_splits or _pick_num_splits(num_qtiles * num_kv_heads, part_bytes, q.device)
+    if opts.num_splits is None and max_seq_len is not None:
+        # A split owns whole BLOCK_N steps: more splits than steps would only run empty.
+        splits = min(splits, triton.next_power_of_2(max(1, triton.cdiv(max_seq_len, t.block_n))))
     if splits > 1:
         part_acc = torch.empty(
             num_tokens, num_heads, splits, t.head_pad, dtype=torch.float32, device=q.device

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
 
 import torch
 from pagebus.bus.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagebus.workers.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,17 +49,49 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
 
 
-def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a CUDA worker measured before sizing its KV cache (bytes)."""
+
+    weights: int  # allocated by loading the model
+    peak_activations: int  # peak above the weights during a maximal step (and its sampling)
+    graph_estimate: int  # CUDA-graph pool + output buffer, from an eager step at the largest size
+
+
+def profiled_kv_budget(cfg: EngineConfig, device: torch.device, prof: MemoryProfile) -> int:
+    """gpu_memory_utilization * total, less everything in use now (weights, CUDA context, other
+    processes), the activation peak and the graphs still to be captured. Call after
+    empty_cache(), so memory in use is what stays in use."""
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    budget = int(cfg.gpu_memory_utilization * total) - in_use - prof.peak_activations - prof.graph_estimate
+    log.info(
+        "KV budget on %s: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB in use (weights %.2f GiB, "
+        "other %.2f GiB) - %.2f GiB peak activations - %.2f GiB CUDA graphs (estimate)",
+        device, budget / GiB, cfg.gpu_memory_utilization, total / GiB, in_use / GiB, prof.weights / GiB,
+        (in_use - prof.weights) / GiB, prof.peak_activations / GiB, prof.graph_estimate / GiB,
+    )  # fmt: skip
+    return budget
+
+
+def num_kv_blocks(
+    cfg: EngineConfig,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    cuda_budget: int | None = None,
+) -> int:
     """Blocks that fit the budget: --num-kv-blocks, else --kv-cache-memory bytes, else on CUDA
-    the free share of --gpu-memory-utilization after the weights are loaded, else 1 GiB."""
+    the profiled budget (`profiled_kv_budget`), else 1 GiB."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     per_block = kv_bytes_per_block(mc, cfg.block_size, dtype)
     if cfg.kv_cache_memory is not None:
         budget = cfg.kv_cache_memory
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
+        if cuda_budget is None:
+            raise ValueError("a CUDA worker sizes its KV cache from a memory profile; none was taken")
+        budget = cuda_budget
     else:
         budget = DEFAULT_KV_CACHE_MEMORY
     blocks = budget // per_block
@@ -64,3 +101,7 @@ def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device
             "raise --kv-cache-memory (or --gpu-memory-utilization)"
         )
     return int(blocks)
+
+
+def needs_memory_profile(cfg: EngineConfig, device: torch.device) -> bool:
+    return device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None

@@ -145,3 +145,18 @@ def _default_loader(param: nn.Parameter, w: torch.Tensor, shard: object) -> None
     if param.shape != w.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(w.shape)}")
     param.data.copy_(w)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """load_format=dummy: fill every parameter in place, on its own device, with small random
+    values (norm scales near 1, everything else N(0, 0.02)), so a model of any shape runs from
+    its config.json alone. Outputs are meaningless; speed and memory are the real model's."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        g = gens.get(p.device)
+        if g is None:
+            g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        if p.dim() == 1 and "norm" in name:
+            p.data.uniform_(0.9, 1.1, generator=g)
+        else:
+            p.data.normal_(0.0, 0.02, generator=g)

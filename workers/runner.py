@@ -1,27 +1,58 @@
 """The model runner: one step plan in, sampled token ids out.
 
-It owns the model, the paged KV cache and the sampler, and caches each sequence's tokens
-and block table so the scheduler only sends deltas. It knows tensors, never queues.
+It owns the model, the paged KV cache, the persistent input buffers and the sampler, and caches
+each sequence's tokens and block-table row so the scheduler only sends deltas. It knows
+tensors, never queues.
+
+A step never reads the device back except for its result: inputs go over in two non-blocking
+copies from pinned memory (input_batch.py), the host-side integers the ops need (query and
+sequence lengths) travel in the ForwardBatch, and greedy sampling takes the argmax on the device
+and brings back only the ids. On CUDA, pure-decode steps replay CUDA graphs (cuda_graphs.py);
+steps with a prefill chunk run eagerly. Before the KV cache is allocated on CUDA, a maximal
+dummy step measures peak activation memory, and the cache gets what the
+gpu_memory_utilization share leaves.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from pagebus.bus.config import EngineConfig
-from pagebus.bus.messages import BatchResult, ExecuteBatch, SamplingParams
-from pagebus.workers.device import num_kv_blocks, pick_device, pick_dtype
+from pagebus.bus.config import EngineConfig, cuda_graph_batch_sizes
+from pagebus.bus.messages import BatchResult, ExecuteBatch, SamplingParams, TokenLogprobs
+from pagebus.workers.cuda_graphs import DecodeGraphs
+from pagebus.workers.device import (
+    GiB,
+    MemoryProfile,
+    needs_memory_profile,
+    num_kv_blocks,
+    pick_device,
+    pick_dtype,
+    profiled_kv_budget,
+)
 from pagebus.workers.forward_batch import ForwardBatch
-from pagebus.workers.loader import is_gguf, iter_gguf, iter_safetensors, load_weights, read_config
+from pagebus.workers.input_batch import InputBuffers, StepTensors
+from pagebus.workers.loader import (
+    init_dummy_weights,
+    is_gguf,
+    iter_gguf,
+    iter_safetensors,
+    load_weights,
+    read_config,
+)
 from pagebus.workers.model_config import ModelConfig
 from pagebus.workers.models import model_class
 from pagebus.workers.ops import select_ops
 from pagebus.workers.sampling import Sampler, SampleRow
 
 log = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+GRAPH_OVERHEAD_BYTES = 256 << 20
 
 
 @dataclass
@@ -31,9 +62,33 @@ class _Seq:
     params: SamplingParams
     block_ids: list[int]
     sample_index: int
+    row: int  # its block-table row
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, ModelConfig]:
+@dataclass
+class StepMeta:
+    """Host-side integers of a step (see ForwardBatch)."""
+
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_prefills: int
+    seq_lens: list[int] | None
+    query_start_loc: list[int] | None
+
+
+@dataclass
+class _Step:
+    tensors: StepTensors
+    meta: StepMeta
+    sampling: list[str]  # seq ids that sample, in logits-row order
+    graph_size: int | None  # the CUDA graph to replay, or None: eager
+    num_seqs: int
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+) -> tuple[torch.nn.Module, ModelConfig]:
     mc = read_config(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -42,10 +97,25 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[tor
             model = model_class(mc)(mc)
     finally:
         torch.set_default_dtype(prev)
-    weights = iter_gguf(path, mc) if is_gguf(path) else iter_safetensors(path)
     with torch.no_grad():
-        load_weights(model, weights)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            load_weights(model, iter_gguf(path, mc) if is_gguf(path) else iter_safetensors(path))
     return model.eval(), mc
+
+
+def _plain_greedy(s: _Seq) -> bool:
+    """Greedy with nothing that needs the full logits on the host: the argmax is the token."""
+    p = s.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and len(s.token_ids) - s.prompt_len >= p.min_tokens
+    )
 
 
 class ModelRunner:
@@ -56,53 +126,296 @@ class ModelRunner:
         self.cfg = cfg
         self.device = pick_device(cfg, rank)
         self.dtype = pick_dtype(cfg, self.device)
-        self.model, self.model_config = load_model(model_path, self.dtype, self.device)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(self.device)
+        allocated_before = torch.cuda.memory_allocated(self.device) if on_cuda else 0
+        self.model, self.model_config = load_model(
+            model_path, self.dtype, self.device, cfg.load_format, cfg.seed
+        )
+        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before if on_cuda else 0
         mc = self.model_config
         self.max_model_len = cfg.max_model_len or mc.max_position
         if self.max_model_len > mc.max_position:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position}"
             )
-        self.num_blocks = num_kv_blocks(cfg, mc, self.dtype, self.device)
-        shape = (self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_layers)
-        ]  # fmt: skip
         self.ops = select_ops(cfg.attention_backend, self.device)
         self.sampler = Sampler(cfg.seed)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else None
         self.seqs: dict[str, _Seq] = {}
+        self.block_size = cfg.block_size
+        graph_sizes = self._graph_sizes()
+        max_tokens = max(cfg.max_num_batched_tokens, *graph_sizes, 1)
+        max_blocks = -(-self.max_model_len // cfg.block_size)
+        self.inputs = InputBuffers(cfg.max_num_seqs, max_tokens, max_blocks, self.device)
+        self._ids_host = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=on_cuda)
+        self._ids_ready = torch.cuda.Event() if on_cuda else None
+        self._all_rows = torch.arange(max_tokens, device=self.device)
+
+        budget = None
+        if needs_memory_profile(cfg, self.device):
+            profile = self._profile(weight_bytes, graph_sizes)
+            torch.cuda.empty_cache()  # the stand-in cache and activations go back before measuring
+            budget = profiled_kv_budget(cfg, self.device, profile)
+        self.num_blocks = num_kv_blocks(cfg, mc, self.dtype, self.device, budget)
+        shape = (self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches: KVCaches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]  # fmt: skip
         log.info(
-            "model loaded in %.1fs: %s, %s on %s, %d KV blocks of %d tokens",
+            "KV cache: %d blocks of %d tokens (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
+            self.num_blocks, cfg.block_size, 2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / GiB,
+            (self.num_blocks - 1) * cfg.block_size / self.max_model_len, self.max_model_len,
+        )  # fmt: skip
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            self.graphs = DecodeGraphs(graph_sizes, mc.vocab_size, self.device)
+            self.graphs.capture(self._graph_forward)
+        log.info(
+            "model ready in %.1fs: %s, %s on %s, %d KV blocks of %d tokens",
             time.monotonic() - t0, mc.family, self.dtype, self.device, self.num_blocks, cfg.block_size,
         )  # fmt: skip
 
+    # ------------------------------------------------------------------ start-up
+    def _graph_sizes(self) -> list[int]:
+        cfg = self.cfg
+        if self.device.type != "cuda":
+            if cfg.enforce_eager or cfg.cuda_graph_sizes:
+                log.info(
+                    "enforce_eager / cuda_graph_sizes: not applicable on %s (no CUDA graphs)", self.device
+                )
+            return []
+        if cfg.enforce_eager:
+            log.info("CUDA graphs off: enforce_eager")
+            return []
+        if self.ops.name != "triton":
+            log.info("CUDA graphs off: the %s attention backend is not capturable", self.ops.name)
+            return []
+        return [n for n in cuda_graph_batch_sizes(cfg) if n <= cfg.max_num_batched_tokens]
+
+    def _profile(self, weight_bytes: int, graph_sizes: list[int]) -> MemoryProfile:
+        """Peak memory of a maximal eager step (max_num_batched_tokens tokens over up to
+        max_num_seqs sequences, all sampling) and of a decode step at the largest graph size,
+        run against a one-block stand-in KV cache: activations do not depend on its size."""
+        mc, cfg, dev = self.model_config, self.cfg, self.device
+        one = (1, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        k, v = torch.zeros(one, dtype=self.dtype, device=dev), torch.zeros(one, dtype=self.dtype, device=dev)
+        dummy_kv = [(k, v)] * mc.num_layers
+        tokens = cfg.max_num_batched_tokens
+        num_seqs = min(cfg.max_num_seqs, tokens)
+        # No sequence longer than max_model_len (its block-table row would end first).
+        tokens = min(tokens, num_seqs * self.max_model_len)
+        qlens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+        peak = self._peak_bytes(lambda: self._dummy_step(qlens, dummy_kv, sample=True))
+        graph_estimate = 0
+        if graph_sizes:
+            size = graph_sizes[-1]
+            graph_estimate = self._peak_bytes(lambda: self._dummy_step([1] * size, dummy_kv, sample=False))
+            # DecodeGraphs.out, and an allowance for the capture streams' cuBLAS workspaces and
+            # the instantiated graphs, which no eager step shows.
+            graph_estimate += size * mc.vocab_size * 4 + GRAPH_OVERHEAD_BYTES
+        return MemoryProfile(weight_bytes, peak, graph_estimate)
+
+    def _peak_bytes(self, fn: Callable[[], None]) -> int:
+        """How far fn grows the allocator's reserved memory: allocations plus the rounding and
+        fragmentation they bring, i.e. what the KV cache must leave free for them."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # nothing cached to reuse: every byte fn needs shows in the peak
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_reserved(self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_reserved(self.device) - base
+
+    def _dummy_step(self, qlens: list[int], kv_caches: KVCaches, sample: bool) -> None:
+        """One eager step of sequences with these query lengths and no cached context, every
+        token writing slot 0 of block 0 and reading through the all-zero padding row."""
+        starts = [0, *itertools.accumulate(qlens)]
+        positions = [p for q in qlens for p in range(q)]
+        n = starts[-1]
+        t = self.inputs.load(
+            [0] * n, positions, [0] * n, [self.inputs.pad_row] * len(qlens), qlens, starts,
+            [s - 1 for s in starts[1:]],
+        )  # fmt: skip
+        meta = StepMeta(
+            max(qlens), max(qlens), sum(q == 1 for q in qlens), sum(q > 1 for q in qlens), qlens, starts
+        )
+        logits = self.model(self._forward_batch(t, meta, t.logits_indices, kv_caches))
+        if not sample:
+            return
+        # The sampler's costliest path, on a throwaway instance (its call counter keys noise).
+        p = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+            frequency_penalty=0.1, logprobs=5,
+        )  # fmt: skip
+        rows = [SampleRow(p, [0] * q, [1], i, (2,)) for i, q in enumerate(qlens)]
+        Sampler(self.cfg.seed)(logits, rows)
+
+    def _graph_forward(self, size: int) -> Callable[[], torch.Tensor]:
+        """Load padding inputs for a decode step of `size` rows; return the forward to capture."""
+        t = self.inputs.load(
+            [0] * size, [0] * size, [0] * size, [self.inputs.pad_row] * size, [1] * size,
+            list(range(size + 1)), [],
+        )  # fmt: skip
+        # Under a graph the lengths change per replay: only upper bounds are baked in.
+        meta = StepMeta(1, self.max_model_len, size, 0, None, None)
+        rows = self._all_rows[:size]
+        return lambda: self.model(self._forward_batch(t, meta, rows, self.kv_caches))
+
+    # ------------------------------------------------------------------ one step
     def execute(self, batch: ExecuteBatch) -> BatchResult:
         for seq_id in batch.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
+            self._drop(seq_id)
         scheduled: list[tuple[str, int, int]] = []  # (seq_id, num_computed, num_scheduled)
         for ns in batch.new_seqs:
+            self._drop(ns.seq_id)  # a re-sent sequence starts over
+            row = self.inputs.assign_row()
+            self.inputs.add_blocks(row, 0, ns.block_ids)
             self.seqs[ns.seq_id] = _Seq(
-                list(ns.token_ids), ns.prompt_len, ns.params, list(ns.block_ids), ns.sample_index
+                list(ns.token_ids), ns.prompt_len, ns.params, list(ns.block_ids), ns.sample_index, row
             )
             scheduled.append((ns.seq_id, ns.num_computed_tokens, ns.num_scheduled_tokens))
         for cs in batch.cached_seqs:
-            self.seqs[cs.seq_id].block_ids.extend(cs.new_block_ids)
+            s = self.seqs[cs.seq_id]
+            if cs.new_block_ids:
+                self.inputs.add_blocks(s.row, len(s.block_ids), cs.new_block_ids)
+                s.block_ids.extend(cs.new_block_ids)
             scheduled.append((cs.seq_id, cs.num_computed_tokens, cs.num_scheduled_tokens))
         if not scheduled:
             return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
-        fb, sampling = self._prepare(scheduled)
-        logits = self.model(fb)
-        rows = [self._sample_row(seq_id) for seq_id in sampling]
-        tokens, logprobs = self.sampler(logits, rows)
-        for seq_id, tok in zip(sampling, tokens, strict=True):
+        step = self._prepare(scheduled)
+        logits = self._run(step)
+        tokens, logprobs = self._sample(logits, step.sampling)
+        for seq_id, tok in zip(step.sampling, tokens, strict=True):
             self.seqs[seq_id].token_ids.append(tok)
         any_lp = any(lp is not None for lp in logprobs)
         return BatchResult(
-            step_id=batch.step_id, seq_ids=sampling, token_ids=tokens, logprobs=logprobs if any_lp else []
+            step_id=batch.step_id,
+            seq_ids=step.sampling,
+            token_ids=tokens,
+            logprobs=logprobs if any_lp else [],
         )
+
+    def _drop(self, seq_id: str) -> None:
+        s = self.seqs.pop(seq_id, None)
+        if s is not None:
+            self.inputs.release_row(s.row)
+
+    def _prepare(self, scheduled: list[tuple[str, int, int]]) -> _Step:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        logits_rows: list[int] = []
+        sampling: list[str] = []
+        max_q = 0
+        for seq_id, computed, n in scheduled:
+            s = self.seqs[seq_id]
+            end = computed + n
+            input_ids.extend(s.token_ids[computed:end])
+            positions.extend(range(computed, end))
+            blocks = s.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(computed, end))
+            rows.append(s.row)
+            seq_lens.append(end)
+            starts.append(starts[-1] + n)
+            max_q = max(max_q, n)
+            if end == len(s.token_ids):  # caught up: this step yields its next token
+                logits_rows.append(starts[-1] - 1)
+                sampling.append(seq_id)
+        num_seqs = len(rows)
+        num_decodes = sum(1 for a, b in itertools.pairwise(starts) if b - a == 1)
+        meta = StepMeta(max_q, max(seq_lens), num_decodes, num_seqs - num_decodes, seq_lens, starts)
+        size = self.graphs.size_for(num_seqs) if self.graphs is not None and max_q == 1 else None
+        if size is None:
+            t = self.inputs.load(input_ids, positions, slots, rows, seq_lens, starts, logits_rows)
+            return _Step(t, meta, sampling, None, num_seqs)
+        pad = size - num_seqs
+        if len(logits_rows) == num_seqs:
+            logits_rows = []  # every row samples: the replay's first num_seqs rows are the logits
+        t = self.inputs.load(
+            input_ids + [0] * pad,
+            positions + [0] * pad,
+            slots + [0] * pad,  # slot 0 of the null block: no sequence owns it
+            rows + [self.inputs.pad_row] * pad,
+            seq_lens + [1] * pad,
+            starts + list(range(starts[-1] + 1, starts[-1] + 1 + pad)),
+            logits_rows,
+        )
+        return _Step(t, meta, sampling, size, num_seqs)
+
+    def _forward_batch(
+        self, t: StepTensors, meta: StepMeta, logits_indices: torch.Tensor, kv_caches: KVCaches
+    ) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=t.input_ids,
+            positions=t.positions,
+            slot_mapping=t.slot_mapping,
+            block_tables=self.inputs.gather_block_tables(t.rows),
+            seq_lens=t.seq_lens,
+            query_start_loc=t.query_start_loc,
+            logits_indices=logits_indices,
+            kv_caches=kv_caches,
+            ops=self.ops,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            num_decodes=meta.num_decodes,
+            num_prefills=meta.num_prefills,
+            seq_lens_host=meta.seq_lens,
+            query_start_loc_host=meta.query_start_loc,
+        )
+
+    def _run(self, step: _Step) -> torch.Tensor:
+        """Logits [num_sampling, vocab] float32, on the device."""
+        if step.graph_size is None:
+            return self.model(
+                self._forward_batch(step.tensors, step.meta, step.tensors.logits_indices, self.kv_caches)
+            )
+        assert self.graphs is not None
+        out = self.graphs.replay(step.graph_size)
+        if step.tensors.logits_indices.numel() == 0:
+            return out[: step.num_seqs]
+        return out.index_select(0, step.tensors.logits_indices)
+
+    def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] at every position of one prompt, prefilled alone into
+        block_ids (the caller's to overwrite). For oracle tests: a step samples only the last."""
+        row = self.inputs.assign_row()
+        try:
+            self.inputs.add_blocks(row, 0, block_ids)
+            n, bs = len(token_ids), self.block_size
+            slots = [block_ids[p // bs] * bs + p % bs for p in range(n)]
+            t = self.inputs.load(token_ids, list(range(n)), slots, [row], [n], [0, n], list(range(n)))
+            meta = StepMeta(n, n, int(n == 1), int(n > 1), [n], [0, n])
+            return self.model(self._forward_batch(t, meta, t.logits_indices, self.kv_caches))
+        finally:
+            self.inputs.release_row(row)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(
+        self, logits: torch.Tensor, sampling: list[str]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if all(_plain_greedy(self.seqs[i]) for i in sampling):
+            return self._greedy_ids(logits), [None] * len(sampling)
+        return self.sampler(logits, [self._sample_row(i) for i in sampling])
+
+    def _greedy_ids(self, logits: torch.Tensor) -> list[int]:
+        """Argmax on the device; only the ids come back (through pinned memory on CUDA, waiting
+        on an event rather than the stream, which sync-debug mode would flag)."""
+        ids = logits.argmax(dim=-1)
+        if self._ids_ready is None:
+            return ids.tolist()
+        host = self._ids_host[: ids.shape[0]]
+        host.copy_(ids, non_blocking=True)
+        self._ids_ready.record()
+        self._ids_ready.synchronize()
+        return host.tolist()
 
     def _sample_row(self, seq_id: str) -> SampleRow:
         s = self.seqs[seq_id]
@@ -112,48 +425,3 @@ class ModelRunner:
         return SampleRow(
             s.params, s.token_ids[: s.prompt_len], s.token_ids[s.prompt_len :], s.sample_index, stop_ids
         )
-
-    def _prepare(self, scheduled: list[tuple[str, int, int]]) -> tuple[ForwardBatch, list[str]]:
-        bs = self.cfg.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        logits_rows: list[int] = []
-        sampling: list[str] = []
-        tables: list[list[int]] = []
-        for seq_id, computed, n in scheduled:
-            s = self.seqs[seq_id]
-            end = computed + n
-            input_ids.extend(s.token_ids[computed:end])
-            positions.extend(range(computed, end))
-            blocks = s.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(computed, end))
-            seq_lens.append(end)
-            starts.append(starts[-1] + n)
-            tables.append(blocks)
-            if end == len(s.token_ids):  # caught up: this step yields its next token
-                logits_rows.append(starts[-1] - 1)
-                sampling.append(seq_id)
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
-
-        def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        fb = ForwardBatch(
-            input_ids=as_tensor(input_ids, torch.long),
-            positions=as_tensor(positions, torch.long),
-            slot_mapping=as_tensor(slots, torch.long),
-            block_tables=table.to(dev, non_blocking=True),
-            seq_lens=as_tensor(seq_lens, torch.int32),
-            query_start_loc=as_tensor(starts, torch.int32),
-            logits_indices=as_tensor(logits_rows, torch.long),
-            kv_caches=self.kv_caches,
-            ops=self.ops,
-        )
-        return fb, sampling

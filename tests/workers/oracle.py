@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from pagebus.bus.messages import ExecuteBatch, NewSeq, SamplingParams
 from pagebus.workers.runner import ModelRunner
 
 PROMPTS = [
@@ -44,17 +43,4 @@ def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill through our runner: [len(ids), vocab]."""
     bs = runner.cfg.block_size
     nblocks = (len(ids) + bs - 1) // bs
-    seq_id = "oracle-prefill"
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    runner.execute(
-        ExecuteBatch(step_id=-1, new_seqs=[], cached_seqs=[], finished_seq_ids=[seq_id])
-    )  # drop any earlier copy
-    ns = NewSeq(seq_id, ids, len(ids), params, list(range(1, nblocks + 1)), 0, len(ids))
-    from pagebus.workers.runner import _Seq
-
-    runner.seqs[seq_id] = _Seq(list(ids), len(ids), params, list(ns.block_ids), 0)
-    fb, _ = runner._prepare([(seq_id, 0, len(ids))])
-    fb.logits_indices = torch.arange(len(ids))
-    logits = runner.model(fb)
-    del runner.seqs[seq_id]
-    return logits
+    return runner.prompt_logits(ids, list(range(1, nblocks + 1)))

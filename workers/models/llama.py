@@ -65,8 +65,10 @@ class Attention(nn.Module):
         # sequence may attend to blocks another sequence fills in this very step.
         fb.ops.write_kv_cache(k, v, k_cache, v_cache, fb.slot_mapping)
         o = fb.ops.paged_attention(
-            q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale
-        )
+            q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
+            max_query_len=fb.max_query_len, max_seq_len=fb.max_seq_len,
+            seq_lens_host=fb.seq_lens_host, query_start_loc_host=fb.query_start_loc_host,
+        )  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
 
 
