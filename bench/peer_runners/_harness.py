@@ -4,17 +4,21 @@ Stdlib only: it is imported by each peer's driver (inside that peer's venv) and 
 
 Job (JSON on the driver's stdin):
     {"prompts": [[token ids], ...], "output_len": 128, "single_output_len": 128,
-     "modes": ["offline", "single"], "model": "/path", "options": {...engine specific...}}
-Result (one JSON object on stdout): {"engine": ..., "load_s": ..., "offline": {...}, "single": {...}}
+     "offline_sizes": [32, 64], "single_prompt": [token ids], "modes": ["offline", "single"],
+     "model": "/path", "options": {...engine specific...}}
+Result (one JSON object on stdout): {"engine": ..., "load_s": ..., "offline": {...},
+    "offline_by_size": {"32": {...}, "64": {...}}, "single": {...}}   ("offline": the first size)
 
-- offline: all prompts submitted at once, greedy, ignore EOS, output_len new tokens each.
-  output_tokens_per_s = output tokens / wall time of the whole batch (prefill included).
-- single: the first prompt alone. Timed once with 1 new token (prefill + first token) and once
-  with single_output_len; decode_tokens_per_s = (n - 1) / (t_n - t_1) excludes the prefill
-  without needing a streaming API from every engine.
+- offline: for each size n, the first n prompts submitted at once, greedy, ignore EOS, output_len
+  new tokens each. output_tokens_per_s = output tokens / wall time of the whole batch (prefill
+  included).
+- single: single_prompt (default: the first prompt) alone. Timed once with 1 new token (prefill +
+  first token) and once with single_output_len; decode_tokens_per_s = (n - 1) / (t_n - t_1)
+  excludes the prefill without needing a streaming API from every engine.
 Each mode is warmed up first with the same batch shape and 4 new tokens (excluded).
-Every run gets prompts no earlier run has seen (the token ids shifted), so an engine's prefix
-cache cannot skip a prefill it did in the warm-up; engines are also told to turn theirs off.
+Every run gets prompts no earlier run has seen (the token ids shifted, see offline_plan), so an
+engine's prefix cache cannot skip a prefill it did in the warm-up; engines are also told to turn
+theirs off.
 """
 
 from __future__ import annotations
@@ -40,15 +44,23 @@ def variant(prompts: list[list[int]], k: int) -> list[list[int]]:
     return [[100 + (t - 100 + 997 * k) % 19900 for t in p] for p in prompts]
 
 
+def offline_plan(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """(size, warm-up variant, timed variant) per offline size. Variants 2-4 are the single stream's;
+    the timed prompts of size i are what bench/peers.py also sends through run-batch."""
+    return [(n, 5 + 2 * i, 6 + 2 * i) for i, n in enumerate(sizes)]
+
+
 def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
     t = time.perf_counter()
     counts = generate(prompts, n)
     return time.perf_counter() - t, counts
 
 
-def measure_offline(generate: Generate, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    generate(variant(prompts, 1), WARMUP_TOKENS)
-    elapsed, counts = _timed(generate, prompts, output_len)
+def measure_offline(
+    generate: Generate, prompts: list[list[int]], output_len: int, warm: int = 1, timed: int = 0
+) -> dict[str, Any]:
+    generate(variant(prompts, warm), WARMUP_TOKENS)
+    elapsed, counts = _timed(generate, variant(prompts, timed), output_len)
     out = sum(counts)
     return {
         "requests": len(prompts),
@@ -81,10 +93,16 @@ def measure(job: dict[str, Any], generate: Generate) -> dict[str, Any]:
     result: dict[str, Any] = {}
     modes = job.get("modes", ["offline", "single"])
     if "offline" in modes:
-        result["offline"] = measure_offline(generate, job["prompts"], job["output_len"])
+        sizes = job.get("offline_sizes") or [len(job["prompts"])]
+        by_size = {
+            str(n): measure_offline(generate, job["prompts"][:n], job["output_len"], warm, timed)
+            for n, warm, timed in offline_plan(sizes)
+        }
+        result["offline"] = by_size[str(sizes[0])]
+        result["offline_by_size"] = by_size
     if "single" in modes:
         n = job.get("single_output_len", job["output_len"])
-        result["single"] = measure_single(generate, job["prompts"][0], n)
+        result["single"] = measure_single(generate, job.get("single_prompt") or job["prompts"][0], n)
     return result
 
 

@@ -1,10 +1,11 @@
-"""Rewrite a GGUF with another tensor type through llama.cpp's own quantizer (e.g. Q4_1 -> BF16).
+"""Rewrite a GGUF with another tensor type through llama.cpp's own quantizer (e.g. Q4_1 -> F32).
 
-    python gguf_requant.py IN.gguf OUT.gguf [bf16]
+    python gguf_requant.py IN.gguf OUT.gguf [f32|f16|bf16|q8_0]
 
 Run by setup_peers.sh with the llamacpp peer's python. With allow_requantize, llama.cpp dequantizes
-each Q4_1 tensor and stores it as BF16: the same weights pagebus runs (it dequantizes the same file
-to bf16), with no round trip through an HF directory and the converter's tokenizer checks.
+each Q4_1 tensor and stores it in the new type: F32 (and BF16 on a bf16 machine) are the same weights
+pagebus runs (it dequantizes the same file to its dtype), with no round trip through an HF directory
+and the converter's tokenizer checks. F16 and Q8_0 are the other formats llama.cpp is fast in.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import sys
 
 import llama_cpp
 
-FTYPES = {"bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
+FTYPES = {
+    "f32": llama_cpp.LLAMA_FTYPE_ALL_F32,
+    "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+    "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+    "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""HF transformers peer: `generate` in bf16 with static batching. Run with the hf peer's python.
+"""HF transformers peer: `generate` with static batching, in options.dtype (default bfloat16). Run with the hf peer's python.
 
     echo JOB | python bench/peer_runners/hf_runner.py      (job format: _harness.py)
 
@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 def load(job: dict[str, Any]) -> Generate:
     torch.manual_seed(0)
     torch.set_num_threads(int(job.get("options", {}).get("threads", torch.get_num_threads())))
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, job.get("options", {}).get("dtype", "bfloat16"))
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval()
     # safetensors may leave weights mmapped, and mmap reads stall on this VM: own them in RAM.
     with torch.no_grad():
         for p in model.parameters():

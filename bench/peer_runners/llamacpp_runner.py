@@ -2,9 +2,11 @@
 
     echo JOB | python bench/peer_runners/llamacpp_runner.py      (job format: _harness.py)
 
-model: a GGUF (the BF16 rewrite of the default model, or the Q4_1 original). Several sequences are
+model: a GGUF (an F32/F16/BF16/Q8_0 rewrite of the default model, or the Q4_1 original). options:
+threads, n_batch (tokens per llama_decode call), n_ubatch (tokens per compute graph, <= n_batch),
+ctx_per_seq. Several sequences are
 decoded together through `llama_batch`, one KV cache per sequence (kv_unified=False: a unified
-cache halves throughput here, FACTS.md), which is how llama-server batches. Greedy argmax over the
+cache halves throughput on 2 cores), which is how llama-server batches. Greedy argmax over the
 logits in numpy. Single stream is the same path with one sequence.
 """
 
@@ -28,6 +30,7 @@ class BatchedGreedy:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_batch = int(options.get("n_batch", 2048))
+        self.n_ubatch = min(self.n_batch, int(options.get("n_ubatch", self.n_batch)))
         self.threads = int(options.get("threads", 2))
         self.ctx_per_seq = int(options.get("ctx_per_seq", 512))
         self.contexts: dict[int, Any] = {}  # n_seq -> context, made once (in the warm-up)
@@ -38,7 +41,7 @@ class BatchedGreedy:
             p = llama_cpp.llama_context_default_params()
             p.n_seq_max = n_seq
             p.n_ctx = n_seq * self.ctx_per_seq  # split evenly between sequences when not unified
-            p.n_batch = p.n_ubatch = self.n_batch
+            p.n_batch, p.n_ubatch = self.n_batch, self.n_ubatch
             p.n_threads = p.n_threads_batch = self.threads
             p.kv_unified = False
             ctx = llama_cpp.llama_init_from_model(self.model, p)

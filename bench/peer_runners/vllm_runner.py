@@ -2,10 +2,11 @@
 
     echo JOB | python bench/peer_runners/vllm_runner.py      (job format: _harness.py)
 
-model: an HF directory. The environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND,
-LD_PRELOAD of tcmalloc) comes from the peer.json that setup_peers.sh writes. vLLM spawns worker
-processes, hence the __main__ guard. options.enforce_eager (default true) skips torch.compile,
-which costs 64-96 s per start and does not reload from its cache (FACTS.md).
+model: an HF directory, run in options.dtype (default bfloat16). The environment
+(VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, LD_PRELOAD of tcmalloc) comes from the peer.json
+that setup_peers.sh writes. vLLM spawns worker processes, hence the __main__ guard.
+options.enforce_eager (default true) skips torch.compile, which costs 64-96 s per start and does not
+reload from its cache: eager is the fair default on 2 cores.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def load(job: dict[str, Any]) -> Generate:
     opts = job.get("options", {})
     longest = max(len(p) for p in job["prompts"]) + max(job["output_len"], job.get("single_output_len", 0))
     llm = LLM(
-        model=job["model"], dtype="bfloat16", seed=0, max_model_len=max(512, longest),
+        model=job["model"], dtype=opts.get("dtype", "bfloat16"), seed=0, max_model_len=max(512, longest),
         enable_prefix_caching=False,
         enforce_eager=bool(opts.get("enforce_eager", True)),
     )  # fmt: skip

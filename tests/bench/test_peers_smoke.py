@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow  # loads the real default model
 
 REPO = Path(__file__).resolve().parents[2]
-N, IN, OUT, SINGLE_OUT = 2, 8, 4, 4
+N, N2, IN, OUT, SINGLE_IN, SINGLE_OUT = 2, 3, 8, 4, 6, 4
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -24,17 +24,29 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 def test_peers_json_and_plot(tmp_path: Path) -> None:
     missing = tmp_path / "no-peers-here"
     proc = _run(
-        ["-m", "bench.peers", "--num-requests", str(N), "--input-len", str(IN), "--output-len", str(OUT),
-         "--single-output-len", str(SINGLE_OUT), "--peer-dir", str(missing)],
-        timeout=240,
+        ["-m", "bench.peers", "--num-requests", str(N), str(N2), "--input-len", str(IN),
+         "--output-len", str(OUT), "--single-input-len", str(SINGLE_IN), "--single-output-len", str(SINGLE_OUT),
+         "--peer-dir", str(missing), "--ceiling-seconds", "0.05", "--ceiling-square", "128",
+         "--skip", "startup", "served"],
+        timeout=480,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, "bench scripts print exactly one JSON object on stdout"
     doc = json.loads(lines[0])
-    for key in ("git_sha", "device", "date", "command", "machine", "config", "engines", "ratios"):
+    for key in ("git_sha", "device", "date", "command", "machine", "ceilings", "config", "engines", "ratios"):
         assert key in doc, key
     assert "bench.peers" in doc["command"]
+    # The machine decides the dtype: bf16 only where the CPU has it natively.
+    flags = doc["machine"]["cpu_flags"]
+    native = flags["avx512_bf16"] or flags["amx_bf16"]
+    assert doc["config"]["dtype"] == ("bfloat16" if native else "float32")
+    assert doc["engines"]["pagebus"]["dtype"] == doc["config"]["dtype"]
+    ceil = doc["ceilings"]
+    for dtype in ("float32", "bfloat16"):
+        gflops = ceil["matmul_gflops"][dtype]
+        assert gflops["square_128"] > 0 and gflops["layer_m1"] > 0 and gflops["lm_head_m1"] > 0
+    assert ceil["dram_gb_per_s"] > 0
 
     pb = doc["engines"]["pagebus"]
     assert "error" not in pb, pb
@@ -43,7 +55,27 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     assert off["input_tokens"] == N * IN
     assert off["output_tokens"] == N * OUT
     assert off["elapsed_s"] > 0 and off["output_tokens_per_s"] > 0
-    assert single["input_tokens"] == IN and single["output_tokens"] == SINGLE_OUT
+    assert pb["offline_by_size"][str(N)] == off
+    assert pb["offline_by_size"][str(N2)]["output_tokens"] == N2 * OUT
+    assert single["input_tokens"] == SINGLE_IN and single["output_tokens"] == SINGLE_OUT
+    # run-batch: the same prompts through the processes, each size.
+    rb = doc["engines"]["pagebus_run_batch"]
+    assert "error" not in rb, rb
+    for n in (N, N2):
+        assert (
+            rb["offline_by_size"][str(n)]["ok"] == n
+            and rb["offline_by_size"][str(n)]["output_tokens"] == n * OUT
+        )
+    tgt = doc["targets"]
+    for n in (N, N2):
+        off_t = tgt["offline"][str(n)]
+        assert off_t["output_tokens_per_s"]["llm"] > 0 and off_t["output_tokens_per_s"]["run_batch"] > 0
+        assert off_t["vs_vllm"] == {"llm": None, "run_batch": None}  # no peers here
+        assert off_t["compute_fraction"]["llm"] > 0 and off_t["workload_gflop"] > 0
+        assert tgt["process_split"][str(n)] > 0
+    assert tgt["single"]["decode_tokens_per_s"] > 0 and tgt["single"]["bandwidth_fraction"] > 0
+    assert tgt["single"]["vs_llamacpp_same_precision"]["ratio"] is None
+    assert "startup" not in tgt and "served" not in tgt  # skipped
     assert single["elapsed_s"] > 0 and single["output_tokens_per_s"] > 0
     # Engines not set up are reported, never fatal, and get no ratio.
     for peer in ("hf", "llamacpp", "vllm"):
@@ -70,3 +102,31 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     else:  # matplotlib is not a pagebus dependency: the script must say so
         assert "needs matplotlib" in plot.stderr, plot.stderr
         assert not png.exists()
+
+
+def test_check_floors() -> None:
+    from bench.peers import check
+
+    doc = {"targets": {"startup": {"ready_s": 12.0}, "process_split": {"32": 0.97, "64": None}}}
+    floors = {
+        "_doc": "ignored",
+        "targets.startup.ready_s": {"max": 10.0},
+        "targets.process_split.32": {"min": 0.95},
+        "targets.process_split.64": {"min": 0.95},
+        "targets.served.64x128x128@32.output_throughput.ratio": {"min": 1.0},
+    }
+    res = check(doc, floors)
+    assert res["failures"] == [{"path": "targets.startup.ready_s", "value": 12.0, "max": 10.0}]
+    assert res["passed"] == ["targets.process_split.32"]
+    assert res["unchecked"] == [
+        "targets.process_split.64",
+        "targets.served.64x128x128@32.output_throughput.ratio",
+    ]
+
+
+def test_request_flops() -> None:
+    from bench.peers import request_flops
+
+    m = {"layers": 2, "layer_weights": 10, "q_dim": 4, "hidden": 3, "vocab": 5}
+    # 3 in + 2 out: 4 forwards; 2 x 4 x 2 x 10 linear, 4 x 4 x 2 x (1+2+3+4) attention, 2 x 2 x 15 lm_head
+    assert request_flops(m, 3, 2) == 160 + 320 + 60
