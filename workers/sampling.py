@@ -40,6 +40,8 @@ _SEEDED, _UNSEEDED = 0x5EED, 0xF4EE  # key domains: a seeded row never shares an
 _H1 = 0x7FEB352D
 _H2 = 0x846CA68B - (1 << 32)
 _TOP_P_SEARCH_FROM = 512  # CPU: first top-k width tried for top_p rows without top_k
+_MAX_CANDIDATES = 1024  # CPU: rows keeping at most this many tokens draw noise for those alone
+_SYNC_FREE_DEVICES = frozenset({"cpu"})  # where sample() may read a tensor back mid-call
 
 _ToDevice = Callable[[list[Any], torch.dtype], torch.Tensor]  # host list -> device tensor
 
@@ -87,22 +89,28 @@ def log_exp_noise(key_mul: torch.Tensor, key_add: torch.Tensor, ids: torch.Tenso
 
 
 def hash32(key_mul: torch.Tensor, key_add: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """lowbias32(id * mul + add) as int32, in wrapping int32 arithmetic."""
+    """lowbias32(id * mul + add) as int32, in wrapping int32 arithmetic (in place, one scratch
+    buffer: on CPU each pass is memory-bound)."""
     z = ids * key_mul
     z += key_add
-    z ^= (z >> 16) & 0xFFFF  # logical shifts: >> is arithmetic on signed ints
-    z *= _H1
-    z ^= (z >> 15) & 0x1FFFF
-    z *= _H2
-    z ^= (z >> 16) & 0xFFFF
+    t = torch.empty_like(z)
+    for shift, mul in ((16, _H1), (15, _H2), (16, 0)):
+        torch.bitwise_right_shift(z, shift, out=t)
+        t &= (1 << (32 - shift)) - 1  # a logical shift: >> is arithmetic on signed ints
+        z ^= t
+        if mul:
+            z *= mul
     return z
 
 
 def log_exp_of_hash(z: torch.Tensor) -> torch.Tensor:
     """log E for E = -log u, u uniform on (0, 1) from a uniform int32 hash z."""
     # h = z + 2**31 in [0, 2**32); u = (h + 0.5) / 2**32 is exact in float64, never 0 or 1
-    u = z.double().add_(2.0**31 + 0.5).mul_(2.0**-32)
-    return u.log_().neg_().float().log_()
+    u = z.double()
+    u += 2.0**31 + 0.5
+    u *= 2.0**-32
+    e = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    return torch.mul(u.log_(), -1.0, out=e).log_()  # E = -log u, rounded to float32 once
 
 
 # ------------------------------------------------------------------------- parameter tensors
@@ -186,6 +194,11 @@ class SamplingTensors:
             logprob_index=t(lp, torch.long) if lp else None,
             logprob_n=[params[i].logprobs or 0 for i in lp],
         )
+
+
+def _plain_greedy(r: SampleRow) -> bool:
+    p = r.params
+    return p.greedy and p.logprobs is None and not _has_penalty(p) and len(r.output_ids) >= p.min_tokens
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -300,6 +313,9 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SampleRow]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_rows, vocab] on any device. Returns token ids and logprobs."""
+        if all(_plain_greedy(r) for r in rows):  # most decode steps: the argmax is all there is
+            self.calls += 1
+            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
         st = SamplingTensors.build(rows, logits.shape[-1], logits.device, (self.seed, self.calls))
         return self.sample(logits, st).to_host()
 
@@ -317,10 +333,7 @@ class Sampler:
             tokens = work.argmax(dim=-1)
         else:
             r = st.random
-            if r.rows is not None:
-                x = work[r.rows]
-            else:
-                x = work if work is not raw else raw.clone()
+            x = (work[r.rows] if r.rows is not None else work) / r.temperature
             drawn = self._draw(x, r)
             if r.rows is None:
                 tokens = drawn
@@ -347,13 +360,13 @@ class Sampler:
         return ids
 
     def _draw(self, x: torch.Tensor, r: RandomRows) -> torch.Tensor:
-        """x: [R, vocab] penalised logits of the random rows, modified in place."""
-        num, vocab = x.shape
-        x /= r.temperature
+        """x: [R, vocab] penalised logits of the random rows over their temperature."""
+        num = x.shape[0]
+        sync_free = x.device.type in _SYNC_FREE_DEVICES
         cutoff: torch.Tensor | None = None
         if r.top_k is not None and r.top_p is not None:
             xt = x[r.trunc_rows] if r.trunc_rows is not None else x
-            cut = _truncation_cutoff(xt, r, host_sync=x.device.type == "cpu")
+            cut = _truncation_cutoff(xt, r, host_sync=sync_free)
             if r.trunc_rows is not None:
                 cutoff = torch.full((num,), -math.inf, device=x.device).index_copy_(0, r.trunc_rows, cut)
             else:
@@ -361,17 +374,59 @@ class Sampler:
         if r.log_min_p is not None:
             cut = (x.amax(dim=-1, keepdim=True) + r.log_min_p).squeeze(1)
             cutoff = cut if cutoff is None else torch.maximum(cutoff, cut)
-        ids = self._token_ids(vocab, x.device)
         tokens = torch.empty(num, dtype=torch.long, device=x.device)
+        dense = list(range(num))
+        if sync_free and cutoff is not None:
+            dense = _race_candidates(x, cutoff, r, tokens)
+        if dense:
+            self._race_dense(x, cutoff, r, tokens, dense)
+        return tokens
+
+    def _race_dense(
+        self,
+        x: torch.Tensor,
+        cutoff: torch.Tensor | None,
+        r: RandomRows,
+        tokens: torch.Tensor,
+        rows: list[int],
+    ) -> None:
+        """The race over the whole vocabulary of the given rows, masked below their cutoff."""
+        num, vocab = x.shape
+        ids = self._token_ids(vocab, x.device)
         # CPU: a few rows at a time so the hash's intermediates stay in cache
         step = max(1, (1 << 17) // vocab) if x.device.type == "cpu" else max(1, (1 << 22) // vocab)
-        for a in range(0, num, step):
-            b = min(num, a + step)
-            score = x[a:b] - log_exp_noise(r.key_mul[a:b], r.key_add[a:b], ids)
+        every = len(rows) == num
+        for a in range(0, len(rows), step):
+            b = min(len(rows), a + step)
+            sel: slice | torch.Tensor = (
+                slice(a, b) if every else torch.tensor(rows[a:b], dtype=torch.long, device=x.device)
+            )
+            xs = x[sel]
+            score = log_exp_noise(r.key_mul[sel], r.key_add[sel], ids)
+            torch.sub(xs, score, out=score)
             if cutoff is not None:
-                score.masked_fill_(x[a:b] < cutoff[a:b].unsqueeze(1), -math.inf)
-            tokens[a:b] = score.argmax(dim=-1)
-        return tokens
+                score.masked_fill_(xs < cutoff[sel].unsqueeze(1), -math.inf)
+            tokens[sel] = score.argmax(dim=-1)
+
+
+def _race_candidates(x: torch.Tensor, cutoff: torch.Tensor, r: RandomRows, tokens: torch.Tensor) -> list[int]:
+    """Where reading the device is free: rows that keep at most _MAX_CANDIDATES tokens race over
+    those alone (noise for a few ids instead of the vocabulary). Returns the other rows."""
+    num = x.shape[0]
+    kept = (x >= cutoff.unsqueeze(1)).sum(dim=-1)  # ties at the cutoff included
+    counts = kept.tolist()
+    sparse = [i for i, n in enumerate(counts) if 0 < n <= _MAX_CANDIDATES]
+    if sparse:
+        sel = torch.tensor(sparse, dtype=torch.long, device=x.device)
+        width = max(counts[i] for i in sparse)
+        # the kept tokens are exactly each row's first `kept` of the top `width`
+        vals, ids = x[sel].topk(width, dim=-1)
+        score = vals - log_exp_noise(r.key_mul[sel], r.key_add[sel], ids.int())
+        rank = torch.arange(width, device=x.device)
+        score.masked_fill_(rank >= kept[sel].unsqueeze(1), -math.inf)
+        tokens[sel] = ids.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
+    done = set(sparse)
+    return [i for i in range(num) if i not in done]
 
 
 def _apply_penalties(work: torch.Tensor, pen: Penalties) -> None:

@@ -75,3 +75,12 @@ def test_serve_against_a_launched_server() -> None:
             r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0 and r["e2e_ms"]["p99"] >= r["ttft_ms"]["p50"]
         )
         assert r["goodput"] <= r["request_throughput"]
+
+
+def test_sampler() -> None:
+    out = run_bench("sampler", "--batch-sizes", "1", "3", "--vocab", "500", "--repeats", "1")
+    assert [(r["mix"], r["rows"]) for r in out["results"]][:2] == [("greedy", 1), ("greedy", 3)]
+    assert all(
+        r["new_us_per_row"] > 0 and r["old_us_per_row"] > 0 and r["speedup"] > 0 for r in out["results"]
+    )
+    assert out["torch"] and out["threads"] == 1

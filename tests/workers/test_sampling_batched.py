@@ -59,13 +59,22 @@ def _logits(rng: random.Random, rows: int, vocab: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=g) * scale
 
 
-@pytest.mark.parametrize("search_from", [4, 512, 10**9])  # 10**9: the full sort, as on CUDA
+# (top_p search width, candidate limit) on CPU, and the CUDA way (no reads mid-call) on CPU
+MODES = {"cpu": (512, 1024), "cpu-narrow": (4, 8), "cuda-like": None}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("vocab", [50, 3000])
 def test_batched_equals_reference_on_a_seeded_grid(
-    vocab: int, search_from: int, monkeypatch: pytest.MonkeyPatch
+    vocab: int, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sampling, "_TOP_P_SEARCH_FROM", search_from)
-    rng = random.Random(vocab * 7 + search_from)
+    widths = MODES[mode]
+    if widths is None:
+        monkeypatch.setattr(sampling, "_SYNC_FREE_DEVICES", frozenset())
+    else:
+        monkeypatch.setattr(sampling, "_TOP_P_SEARCH_FROM", widths[0])
+        monkeypatch.setattr(sampling, "_MAX_CANDIDATES", widths[1])
+    rng = random.Random(vocab * 7 + len(mode))
     sampler = Sampler(5)
     for size in [1, 2, 3, 5, 8, 13, 21, 33]:
         for _ in range(2):
