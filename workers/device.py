@@ -22,6 +22,8 @@ def pick_device(cfg: EngineConfig, rank: int = 0) -> torch.device:
     dev = torch.device(cfg.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", rank)  # set_device and memory queries want an index
     return dev
 
 

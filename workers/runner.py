@@ -84,6 +84,7 @@ class _Step:
     sampling: list[str]  # seq ids that sample, in logits-row order
     graph_size: int | None  # the CUDA graph to replay, or None: eager
     num_seqs: int
+    every_row_samples: bool  # a replay's first num_seqs rows are the logits, in order
 
 
 def load_model(
@@ -252,7 +253,10 @@ class ModelRunner:
             frequency_penalty=0.1, logprobs=5,
         )  # fmt: skip
         rows = [SampleRow(p, [0] * q, [1], i, (2,)) for i, q in enumerate(qlens)]
-        Sampler(self.cfg.seed)(logits, rows)
+        try:
+            Sampler(self.cfg.seed)(logits, rows)
+        except Exception:  # a sampler bug should fail requests that hit it, not start-up
+            log.warning("memory profile: the sampler failed; its memory is not counted", exc_info=True)
 
     def _graph_forward(self, size: int) -> Callable[[], torch.Tensor]:
         """Load padding inputs for a decode step of `size` rows; return the forward to capture."""
@@ -335,10 +339,11 @@ class ModelRunner:
         size = self.graphs.size_for(num_seqs) if self.graphs is not None and max_q == 1 else None
         if size is None:
             t = self.inputs.load(input_ids, positions, slots, rows, seq_lens, starts, logits_rows)
-            return _Step(t, meta, sampling, None, num_seqs)
+            return _Step(t, meta, sampling, None, num_seqs, False)
         pad = size - num_seqs
-        if len(logits_rows) == num_seqs:
-            logits_rows = []  # every row samples: the replay's first num_seqs rows are the logits
+        every_row_samples = len(logits_rows) == num_seqs
+        if every_row_samples:
+            logits_rows = []  # sliced, not gathered
         t = self.inputs.load(
             input_ids + [0] * pad,
             positions + [0] * pad,
@@ -348,7 +353,7 @@ class ModelRunner:
             starts + list(range(starts[-1] + 1, starts[-1] + 1 + pad)),
             logits_rows,
         )
-        return _Step(t, meta, sampling, size, num_seqs)
+        return _Step(t, meta, sampling, size, num_seqs, every_row_samples)
 
     def _forward_batch(
         self, t: StepTensors, meta: StepMeta, logits_indices: torch.Tensor, kv_caches: KVCaches
@@ -379,7 +384,7 @@ class ModelRunner:
             )
         assert self.graphs is not None
         out = self.graphs.replay(step.graph_size)
-        if step.tensors.logits_indices.numel() == 0:
+        if step.every_row_samples:
             return out[: step.num_seqs]
         return out.index_select(0, step.tensors.logits_indices)
 
