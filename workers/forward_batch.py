@@ -19,9 +19,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_sampling_seqs] int64: rows whose logits are sampled
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, kv_heads, d] x2
     ops: Ops
-    # Host-side facts of the step, so no op reads a device tensor back to learn them.
-    max_query_len: int = 0  # an upper bound on the query lengths
-    max_seq_len: int = 0  # an upper bound on seq_lens
+    # Host-side facts of the step, so no op reads a device tensor back to learn them (None:
+    # unknown, an op that needs one reads it back).
+    max_query_len: int | None = None  # an upper bound on the query lengths
+    max_seq_len: int | None = None  # an upper bound on seq_lens
     num_decodes: int = 0  # sequences with one query token
     num_prefills: int = 0  # sequences with more
     seq_lens_host: list[int] | None = None  # None under a CUDA graph (values change per replay)
