@@ -19,9 +19,10 @@ counter, row).
 API: `Sampler(seed)(logits, rows)` takes `SampleRow`s and returns host lists; it is a thin
 wrapper over `Sampler.sample(logits, SamplingTensors.build(...))`, which works on device tensors
 only and returns a `SampleOutput` whose `to_host()` is the one device->host transfer. A caller
-that keeps per-sequence state in tensors may fill `SamplingTensors` itself. On CUDA, `sample`
-never synchronises; on CPU (where reading a tensor is free) top_p searches a growing top-k
-instead of sorting the whole vocabulary. `sampling_ref.py` is the per-row spec it must equal.
+that keeps per-sequence state in tensors may fill `SamplingTensors` itself (keying unseeded rows
+with `Sampler.next_call()`). On CUDA, `sample` never synchronises. On CPU, where reading a
+tensor back is free, top_p searches a growing top-k instead of sorting the whole vocabulary, and
+rows that keep few tokens hash noise for those alone. `sampling_ref.py` is the per-row spec.
 """
 
 from __future__ import annotations
@@ -149,9 +150,7 @@ class SamplingTensors:
     the few host-side facts that choose which work runs (so sample() never reads the device)."""
 
     num_rows: int
-    vocab: int
     greedy_rows: torch.Tensor | None  # [G] long; None: every row is greedy or every row draws
-    all_greedy: bool
     random: RandomRows | None
     penalties: Penalties | None
     min_tokens_idx: torch.Tensor | None  # flat indices row * vocab + stop id to mask
@@ -166,7 +165,11 @@ class SamplingTensors:
         """engine_call: (engine seed, call counter), which key unseeded rows with their row index."""
 
         def t(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            host = torch.tensor(values, dtype=dtype)
+            if device.type != "cuda":
+                return host.to(device)
+            # pinned, so the copy queues behind the forward pass instead of waiting for it
+            return host.pin_memory().to(device, non_blocking=True)
 
         n = len(rows)
         params = [r.params for r in rows]
@@ -180,13 +183,12 @@ class SamplingTensors:
             for i, r in enumerate(rows)
             if len(r.output_ids) < r.params.min_tokens
             for s in r.stop_ids
+            if 0 <= s < vocab  # an id past the logits would land in the next row
         ]
         lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplingTensors(
             num_rows=n,
-            vocab=vocab,
             greedy_rows=t(greedy, torch.long) if greedy and rand else None,
-            all_greedy=not rand,
             random=random,
             penalties=penalties,
             min_tokens_idx=t(mask, torch.long) if mask else None,
@@ -306,21 +308,27 @@ class SampleOutput:
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.calls = 0  # keys unseeded rows: a fresh draw every call
+        self.calls = 0
         self._ids: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_rows, vocab] on any device. Returns token ids and logprobs."""
+        engine_call = self.next_call()
         if all(_plain_greedy(r) for r in rows):  # most decode steps: the argmax is all there is
-            self.calls += 1
             return logits.argmax(dim=-1).tolist(), [None] * len(rows)
-        st = SamplingTensors.build(rows, logits.shape[-1], logits.device, (self.seed, self.calls))
+        st = SamplingTensors.build(rows, logits.shape[-1], logits.device, engine_call)
         return self.sample(logits, st).to_host()
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+    def next_call(self) -> tuple[int, int]:
+        """(engine seed, call counter) for SamplingTensors.build: unseeded rows draw afresh
+        every call, and the same calls repeat under the same engine seed."""
         self.calls += 1
+        return self.seed, self.calls
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+        """logits [B, vocab] on any device; st built for these rows on the same device."""
         raw = logits.float()
         work = raw
         if st.penalties is not None or st.min_tokens_idx is not None:
@@ -485,6 +493,7 @@ def _truncation_cutoff(x: torch.Tensor, r: RandomRows, host_sync: bool) -> torch
             total = torch.where(k == vocab, full_sum, total)
         kept = (cs[:, :-1] < (top_p * total).unsqueeze(1)).sum(dim=-1) + 1
         kept = torch.minimum(kept, k)
-        if width == vocab or bool(((k <= width) | ((k == vocab) & (kept < width))).all()):
+        # without host_sync the width already covers every row: no read-back on CUDA
+        if width == vocab or not host_sync or bool(((k <= width) | ((k == vocab) & (kept < width))).all()):
             return vals.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
         width = min(vocab, width * 8)
