@@ -35,15 +35,15 @@ run_part() {  # run_part NAME SECONDS CMD...: stdout -> NAME.json, stderr -> NAM
 }
 
 # pytest's summary goes to the log; its JSON file stays empty.
-run_part pytest 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+run_part pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/workers/test_gpu_runner.py tests/kernels/test_paged_attention.py
 mv "$PARTS/pytest.json" "$PARTS/pytest.log.stdout" 2> /dev/null
 cat "$PARTS/pytest.log.stdout" >> "$PARTS/pytest.log" 2> /dev/null
 rm -f "$PARTS/pytest.log.stdout"
-run_part kernels_gpu 100 "$PY" -m bench.kernels_gpu
+run_part kernels_gpu 90 "$PY" -m bench.kernels_gpu
 # GPU_E2E_ARGS: extra arguments (e.g. "--tiny ..." to try the script on a machine without a GPU).
 # shellcheck disable=SC2086
-run_part gpu_e2e 200 "$PY" -m bench.gpu_e2e --json-out - ${GPU_E2E_ARGS:-}
+run_part gpu_e2e 180 "$PY" -m bench.gpu_e2e --json-out - ${GPU_E2E_ARGS:-}
 
 OUT_JSON=()
 [ -n "${OUT:-}" ] || OUT_JSON=(--json-out "$PARTS/gpu_check.json")

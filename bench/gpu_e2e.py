@@ -17,6 +17,7 @@ set. `--combine DIR` instead merges the parts bench/gpu_check.sh left in DIR int
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -118,6 +119,13 @@ class Engine:
         self._next = 0
         self.sched: Any = None
 
+    def reset(self) -> None:
+        """After a failed run: a fresh scheduler, and the runner forgets every sequence."""
+        from pagebus.bus.messages import ExecuteBatch
+
+        self.sched = None
+        self.runner.execute(ExecuteBatch(0, [], [], list(self.runner.seqs)))
+
     def run(self, num_seqs: int, prompt_len: int, output_len: int) -> dict[str, Any]:
         """Run num_seqs requests to completion; time prefill steps and full-batch decode steps
         separately (each step ends with its sampled ids on the host, so wall time is honest)."""
@@ -182,17 +190,29 @@ def _model_bytes(runner: Any) -> tuple[int, int, int]:
     return total, total - embed_bytes, params
 
 
+def _error(what: str, e: BaseException) -> str:
+    log.error("%s failed:\n%s", what, traceback.format_exc())
+    return f"{what}: {type(e).__name__}: {e}"
+
+
 def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement that fails is named in result["errors"]; the others still run."""
+    import msgspec
+    import torch
     from pagebus.bus.config import make_engine_config
     from pagebus.workers.device import kv_bytes_per_block
     from pagebus.workers.runner import ModelRunner
 
     shape = TINY if args.tiny else LLAMA3_8B
+    errors: list[str] = []
     result: dict[str, Any] = {
         "bench": "gpu_e2e",
         "model": "tiny" if args.tiny else "llama-3-8b-shaped",
         "shape": shape,
     }
+    # The ceilings first, while the memory they need is surely free.
+    ceil = measure_ceilings(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.tiny)
+    torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
         write_llama_config(folder, shape)
         cfg = make_engine_config(
@@ -208,7 +228,19 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
             **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}),
         )
         t0 = time.perf_counter()
-        runner = ModelRunner(cfg, folder)
+        try:
+            runner = ModelRunner(cfg, folder)
+        except Exception as e:
+            if cfg.enforce_eager:
+                raise
+            errors.append(_error("start-up with CUDA graphs (retrying eagerly)", e))
+            runner = None
+        if runner is None:  # outside the except block: the failed runner's memory is free now
+            gc.collect()
+            torch.cuda.empty_cache()
+            cfg = msgspec.structs.replace(cfg, enforce_eager=True)
+            t0 = time.perf_counter()
+            runner = ModelRunner(cfg, folder)
         startup_s = time.perf_counter() - t0
     dev = runner.device
     result["device_type"] = dev.type
@@ -221,7 +253,6 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
         "graph_capture_s": graphs.capture_s if graphs else 0.0,
         "graph_memory_mib": graphs.memory_bytes / (1 << 20) if graphs else 0.0,
     }
-    ceil = measure_ceilings(dev, args.tiny)
     result["ceilings"] = ceil
     bw = ceil["copy_bandwidth_gb_s"] * 1e9
     peak_flops = ceil["matmul_bf16_tflop_s"] * 1e12
@@ -238,6 +269,10 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 eng.run(min(conc, 2), args.prompt_len, 2)  # warm-up: compiles this size's kernels
                 m = eng.run(conc, args.prompt_len, args.output_len)
+            except Exception as e:
+                errors.append(_error(f"decode at concurrency {conc}, CUDA graphs {mode}", e))
+                eng.reset()
+                continue
             finally:
                 runner.graphs = graphs
             steps = m["decode_steps"]
@@ -261,7 +296,12 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     result["decode"] = decode
 
     # Prefill: whole prompts, one output token each, max_num_batched_tokens per step.
-    p = eng.run(args.prefill_seqs, args.prefill_len, 1)
+    try:
+        p = eng.run(args.prefill_seqs, args.prefill_len, 1)
+    except Exception as e:
+        errors.append(_error("prefill", e))
+        result["errors"] = errors
+        return result
     tokens = p["prefill_tokens"] or args.prefill_seqs * args.prefill_len
     mc = runner.model_config
     # Matmuls: 2 FLOPs per parameter per token (lm_head only for the last token of each prompt);
@@ -280,6 +320,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
         "fraction_of_roofline": (flops / seconds) / peak_flops if seconds else 0.0,
     }
     log.info("prefill %s", result["prefill"])
+    result["errors"] = errors
     return result
 
 
@@ -349,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["ok"] else 1
     try:
         result = run_e2e(args)
-        result["ok"] = True
+        result["ok"] = not result["errors"]
     except Exception as e:  # one JSON object either way, naming what failed
         log.error("gpu_e2e failed:\n%s", traceback.format_exc())
         result = {"bench": "gpu_e2e", "ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -79,3 +79,33 @@ def test_gpu_check_script_runs_every_part(tmp_path) -> None:
     assert out["kernels_gpu"]["ok"] and out["kernels_gpu"]["result"]["skipped"] == "no CUDA device"
     assert out["gpu_e2e"]["ok"] and out["gpu_e2e"]["result"]["ok"]
     assert out["ok"] and proc.returncode == 0
+
+
+def test_a_failed_run_leaves_the_engine_usable(tmp_path) -> None:
+    from pagebus.bus.config import EngineConfig
+    from pagebus.workers.runner import ModelRunner
+
+    from bench.gpu_e2e import TINY, Engine, write_llama_config
+
+    write_llama_config(str(tmp_path), TINY)
+    cfg = EngineConfig(load_format="dummy", dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    runner = ModelRunner(cfg, str(tmp_path))
+    eng = Engine(runner, cfg)
+    execute = runner.execute
+    calls = 0
+
+    def failing(batch):  # the third step of the run dies
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected")
+        return execute(batch)
+
+    runner.execute = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.run(4, 5, 6)
+    runner.execute = execute  # type: ignore[method-assign]
+    eng.reset()
+    assert runner.seqs == {}
+    m = eng.run(4, 5, 3)  # all four rows are free again
+    assert m["prefill_tokens"] == 4 * 5 and m["decode_steps"] == 1
