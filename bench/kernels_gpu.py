@@ -3,7 +3,8 @@
     python -m bench.kernels_gpu [--seed 0] [--num-seqs 256] [--max-context 8192]
 
 For each op it reports the max abs error against the `*_ref`, whether that is within tolerance,
-and the median time of the Triton kernel and of a torch baseline (paged attention: torch SDPA on
+(paged attention: for both tensor-core operand modes, native fp16/bf16 and fp32-upcast, with the
+relative error norm of each) and the median time of the Triton kernel and of a torch baseline (paged attention: torch SDPA on
 KV already gathered into padded contiguous tensors, the favourable case for torch). Prints one
 JSON object on stdout, logs on stderr, and exits 1 if any check fails. Without CUDA it prints
 {"skipped": "no CUDA device"} and exits 0.
@@ -152,7 +153,7 @@ def _sdpa_gathered(cfg: BenchConfig, b: dict, scale: float) -> tuple[Callable[[]
 def _check_attention(
     cfg: BenchConfig, name: str, qlens: list[int], lens: list[int], dev: torch.device
 ) -> dict:
-    from pagebus.kernels.paged_attention import paged_attention
+    from pagebus.kernels.paged_attention import PagedAttentionOptions, paged_attention
 
     b = _paged_batch(cfg, qlens, lens, dev)
     scale = cfg.head_dim**-0.5
@@ -165,7 +166,17 @@ def _check_attention(
     res["triton_ms"] = _time_ms(lambda: paged_attention(*args, max_query_len=max_q), dev)
     kv_bytes = 2 * sum(lens) * cfg.num_kv_heads * cfg.head_dim * b["k"].element_size()
     res["triton_kv_gb_per_s"] = kv_bytes / res["triton_ms"] / 1e6
-    del out, ref
+    res["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
+    # The other operand mode: K/V upcast to fp32 and tf32 dots, against the native default.
+    opts = PagedAttentionOptions(dot_operands="fp32")
+    out32 = paged_attention(*args, max_query_len=max_q, options=opts)
+    res["fp32dot"] = _compare((out32,), (ref,), TOL["paged_attention"])
+    res["fp32dot"]["rel_err"] = float((out32.float() - ref.float()).norm() / ref.float().norm())
+    res["fp32dot"]["triton_ms"] = _time_ms(
+        lambda: paged_attention(*args, max_query_len=max_q, options=opts), dev
+    )
+    res["ok"] = res["ok"] and res["fp32dot"]["ok"]
+    del out, ref, out32
     try:
         call, unpad = _sdpa_gathered(cfg, b, scale)
         res["sdpa_max_abs_err"] = (unpad(call()).float() - paged_attention(*args).float()).abs().max().item()

@@ -121,8 +121,15 @@ class PagedAttentionOptions:
     block_m: int | None = None  # rows per tile (query tokens x padded GQA group), power of two >= 16
     block_n: int | None = None  # keys per inner step, power of two >= 16 (may span several pages)
     num_warps: int | None = None
+    # "fp32": K/V upcast after the load, dots in tf32 (ieee for fp32 caches). "native": fp16/bf16
+    # operands straight into the tensor cores, fp32 accumulation, P rounded to the cache dtype
+    # (FlashAttention's choice). None: native on CUDA for fp16/bf16 caches. The interpreter's bf16
+    # arithmetic is wrong, so off a GPU it is always fp32.
+    dot_operands: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dot_operands not in (None, "fp32", "native"):
+            raise ValueError(f"dot_operands={self.dot_operands!r} must be 'fp32' or 'native'")
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v is not None and (v < 16 or v & (v - 1)):
@@ -141,7 +148,13 @@ class _Tiling:
 
 
 def _tiling(
-    opts: PagedAttentionOptions, group: int, head_dim: int, max_query_len: int, on_gpu: bool, fp32: bool
+    opts: PagedAttentionOptions,
+    group: int,
+    head_dim: int,
+    max_query_len: int,
+    on_gpu: bool,
+    fp32: bool,
+    native: bool = False,
 ) -> _Tiling:
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_dim))
@@ -190,6 +203,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,  # fp16/bf16 operands into tl.dot (GPU only), else fp32
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -223,7 +237,11 @@ def _paged_attn_kernel(
     d_ok = d < HEAD_DIM
     q_off = tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     # [BLOCK_M, HEAD_PAD]; upcast right after the load: bf16 arithmetic is wrong under the interpreter.
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if NATIVE_DOT:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
 
     # This split's KV range, in whole BLOCK_N steps, cut at the tile's causal horizon.
     steps_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
@@ -242,9 +260,14 @@ def _paged_attn_kernel(
         page = tl.load(bt_row + kv // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
         in_page = kv % PAGE_SIZE
         k_off = page[None, :] * stride_kb + in_page[None, :] * stride_kt + kvh * stride_kh + d[:, None]
-        k = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & kv_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+        if not NATIVE_DOT:
+            k = k.to(tl.float32)
         # Scale after the dot, not into q: fp16/bf16 q stays exact in tf32.
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        if NATIVE_DOT:
+            s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units, fp32 accumulation
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         s = tl.where((kv[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps max -inf; exp2(-inf - -inf) would be NaN.
@@ -253,8 +276,11 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = page[:, None] * stride_vb + in_page[:, None] * stride_vt + kvh * stride_vh + d[None, :]
-        v = tl.load(v_cache_ptr + v_off, mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        v = tl.load(v_cache_ptr + v_off, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -378,7 +404,9 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     fp32 = k_cache.dtype == torch.float32
-    t = _tiling(opts, group, head_dim, max_query_len, q.device.type == "cuda", fp32)
+    on_gpu = q.device.type == "cuda"
+    native = on_gpu and not fp32 and (opts.dot_operands or "native") == "native"
+    t = _tiling(opts, group, head_dim, max_query_len, on_gpu, fp32, native)
     block_q = t.block_m // t.group_pad
 
     # Tiles per sequence, as prefix sums on the device (no host sync): [num_seqs + 1] int32.
@@ -413,6 +441,7 @@ def paged_attention(
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGE_SIZE=page_size, NUM_SPLITS=splits,
         # fp16/bf16 values are exact in tf32; only fp32 caches need full-precision products.
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        NATIVE_DOT=native,
         num_warps=t.num_warps,
     )  # fmt: skip
     if splits > 1:

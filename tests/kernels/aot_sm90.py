@@ -60,8 +60,13 @@ def _attention_variants() -> dict[str, dict[str, int]]:
         ("mixed_fp32_gqa8_hd80", "fp32", 8, 1, 80, 7, 2, False),
         ("decode_fp32_hd128", "fp32", 32, 8, 128, 1, 4, False),
     ]
+    # Every 16-bit case twice: native operands (the GPU default) and upcast to fp32.
+    cases += [(f"{c[0]}_fp32dot", *c[1:]) for c in cases if c[1] != "fp32"]
     for name, dt, h, kvh, hd, max_q, splits, one_seq in cases:
-        t = _tiling(PagedAttentionOptions(), h // kvh, hd, max_q, on_gpu=True, fp32=dt == "fp32")
+        native = dt != "fp32" and not name.endswith("_fp32dot")
+        t = _tiling(
+            PagedAttentionOptions(), h // kvh, hd, max_q, on_gpu=True, fp32=dt == "fp32", native=native
+        )
         ptrs = {a: f"*{dt}" for a in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         meta = "*i64" if "int64" in name else "*i32"  # block tables, seq lens, query starts: either
         ptrs |= {a: meta for a in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
@@ -70,6 +75,7 @@ def _attention_variants() -> dict[str, dict[str, int]]:
         consts: dict[str, Any] = dict(
             HEAD_DIM=hd, HEAD_PAD=t.head_pad, GROUP=h // kvh, GROUP_PAD=t.group_pad, BLOCK_M=t.block_m,
             BLOCK_N=t.block_n, PAGE_SIZE=16, NUM_SPLITS=splits, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+            NATIVE_DOT=native,
         )  # fmt: skip
         if one_seq:  # Triton specialises an int argument equal to 1 into a constant
             consts["num_seqs"] = 1

@@ -123,10 +123,25 @@ def test_bad_shapes_raise() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_llama_shape_on_gpu(dtype: torch.dtype) -> None:
-    """Llama-3-8B layer shape (32 heads, 8 KV heads, head_dim 128), heuristic tiling and splits."""
+@pytest.mark.parametrize("dot_operands", ["native", "fp32"])
+def test_llama_shape_on_gpu(dtype: torch.dtype, dot_operands: str) -> None:
+    """Llama-3-8B layer shape (32 heads, 8 KV heads, head_dim 128), heuristic tiling and splits,
+    with 16-bit tensor-core operands and with K/V upcast to fp32."""
     g = torch.Generator().manual_seed(7)
     ctx = torch.randint(1, 4096, (64,), generator=g).tolist()
     seqs = [(1, c) for c in ctx[:60]] + [(n, c) for n, c in zip([512, 77, 300, 2], ctx[60:], strict=True)]
-    _check(make_batch(seqs, 32, 8, 128, dtype=dtype, seed=8), scale=128**-0.5)
-    _check(make_batch([(1, c) for c in ctx[:8]], 32, 8, 128, dtype=dtype, seed=9), scale=128**-0.5)
+    opts = PagedAttentionOptions(dot_operands=dot_operands)
+    for batch in (
+        make_batch(seqs, 32, 8, 128, dtype=dtype, seed=8),
+        make_batch([(1, c) for c in ctx[:8]], 32, 8, 128, dtype=dtype, seed=9),
+    ):
+        out = paged_attention(*batch.args(), 128**-0.5, options=opts)
+        ref = paged_attention_ref(*batch.args(), 128**-0.5)
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+        rel = float((out.float() - ref.float()).norm() / ref.float().norm())
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
+def test_dot_operands_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="dot_operands"):
+        PagedAttentionOptions(dot_operands="tf32")
