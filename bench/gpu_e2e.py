@@ -141,7 +141,11 @@ class Engine:
         for _ in range(num_seqs):
             self._next += 1
             ids = [self.rng.randrange(3, self.vocab) for _ in range(prompt_len)]
-            sched.add_request(AddRequest(request_id=f"r{self._next}", prompt_token_ids=ids, params=params))
+            rejected = sched.add_request(
+                AddRequest(request_id=f"r{self._next}", prompt_token_ids=ids, params=params)
+            )
+            if rejected:
+                raise RuntimeError(f"request rejected: {rejected[0].error}")
         out = {
             "prefill_s": 0.0,
             "prefill_tokens": 0,
@@ -296,6 +300,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     result["decode"] = decode
 
     # Prefill: whole prompts, one output token each, max_num_batched_tokens per step.
+    args.prefill_len = min(args.prefill_len, runner.max_model_len - 1)
     try:
         p = eng.run(args.prefill_seqs, args.prefill_len, 1)
     except Exception as e:
