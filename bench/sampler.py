@@ -1,6 +1,6 @@
 """The sampler's cost per row: the batched device sampler against the per-row host sampler it
 replaced (workers/sampling.py at --baseline, loaded from git), interleaved call by call on the
-same logits so machine load hits both alike.
+same logits, in alternating order, so machine load and warm caches favour neither.
 
     python -m bench.sampler [--batch-sizes 1 32 256] [--vocab 49152] [--repeats 5] [--threads 1]
 """
@@ -118,7 +118,8 @@ def main() -> None:
                 impls["old"] = (old_mod.Sampler(0), old_rows)
             times: dict[str, list[float]] = {k: [] for k in impls}
             for rep in range(args.repeats + 1):  # the first call of each warms up
-                for name, (s, rows) in impls.items():
+                order = list(impls.items())
+                for name, (s, rows) in order if rep % 2 else order[::-1]:  # neither always goes first
                     t = time.perf_counter()
                     tokens, _ = s(logits, rows)
                     if rep:
