@@ -25,9 +25,14 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, sizes: list[int], vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, sizes: list[int], vocab_size: int, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> None:
         self.sizes = sorted(sizes)
         self.device = device
+        # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream for
+        # the life of the process, so a new stream per graph would leak one workspace each.
+        self.stream = stream if stream is not None else torch.cuda.Stream(device)
         self.out = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.memory_bytes = 0
@@ -46,19 +51,21 @@ class DecodeGraphs:
             def step(forward: Callable[[], torch.Tensor] = forward, size: int = size) -> None:
                 self.out[:size].copy_(forward())
 
-            # Warm up on a side stream: Triton compiles and cuBLAS picks its kernels outside capture.
-            side = torch.cuda.Stream(self.device)
+            # Warm up on the side stream: Triton compiles and cuBLAS picks its kernels outside capture.
+            side = self.stream
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 step()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=side):
                 step()
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-ups' side-stream blocks: no other stream can reuse them
+        # Measured on the device, not in the allocator: graph instantiation and cuBLAS workspaces
+        # take memory the caching allocator never sees.
         self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.capture_s = time.monotonic() - t0
         log.info(

@@ -57,7 +57,7 @@ class MemoryProfile:
 
     weights: int  # allocated by loading the model
     peak_activations: int  # peak above the weights during a maximal step (and its sampling)
-    graph_estimate: int  # CUDA-graph pool + output buffer, from an eager step at the largest size
+    graph_bytes: int  # what capturing the decode graphs took from the device, measured by a trial capture
 
 
 def profiled_kv_budget(cfg: EngineConfig, device: torch.device, prof: MemoryProfile) -> int:
@@ -66,12 +66,12 @@ def profiled_kv_budget(cfg: EngineConfig, device: torch.device, prof: MemoryProf
     empty_cache(), so memory in use is what stays in use."""
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
-    budget = int(cfg.gpu_memory_utilization * total) - in_use - prof.peak_activations - prof.graph_estimate
+    budget = int(cfg.gpu_memory_utilization * total) - in_use - prof.peak_activations - prof.graph_bytes
     log.info(
         "KV budget on %s: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB in use (weights %.2f GiB, "
-        "other %.2f GiB) - %.2f GiB peak activations - %.2f GiB CUDA graphs (estimate)",
+        "other %.2f GiB) - %.2f GiB peak activations - %.2f GiB CUDA graphs (measured)",
         device, budget / GiB, cfg.gpu_memory_utilization, total / GiB, in_use / GiB, prof.weights / GiB,
-        (in_use - prof.weights) / GiB, prof.peak_activations / GiB, prof.graph_estimate / GiB,
+        (in_use - prof.weights) / GiB, prof.peak_activations / GiB, prof.graph_bytes / GiB,
     )  # fmt: skip
     return budget
 

@@ -52,7 +52,6 @@ from pagebus.workers.sampling import Sampler, SampleRow
 log = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-GRAPH_OVERHEAD_BYTES = 256 << 20
 
 
 @dataclass
@@ -153,6 +152,8 @@ class ModelRunner:
         self._ids_host = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=on_cuda)
         self._ids_ready = torch.cuda.Event() if on_cuda else None
         self._all_rows = torch.arange(max_tokens, device=self.device)
+        # The profile's trial capture and the real one share a stream (and its cuBLAS workspace).
+        self._capture_stream = torch.cuda.Stream(self.device) if graph_sizes else None
 
         budget = None
         if needs_memory_profile(cfg, self.device):
@@ -173,7 +174,7 @@ class ModelRunner:
         )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
-            self.graphs = DecodeGraphs(graph_sizes, mc.vocab_size, self.device)
+            self.graphs = DecodeGraphs(graph_sizes, mc.vocab_size, self.device, self._capture_stream)
             self.graphs.capture(self._graph_forward)
         log.info(
             "model ready in %.1fs: %s, %s on %s, %d KV blocks of %d tokens",
@@ -211,14 +212,21 @@ class ModelRunner:
         tokens = min(tokens, num_seqs * self.max_model_len)
         qlens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
         peak = self._peak_bytes(lambda: self._dummy_step(qlens, dummy_kv, sample=True))
-        graph_estimate = 0
+        graph_bytes = 0
         if graph_sizes:
-            size = graph_sizes[-1]
-            graph_estimate = self._peak_bytes(lambda: self._dummy_step([1] * size, dummy_kv, sample=False))
-            # DecodeGraphs.out, and an allowance for the capture streams' cuBLAS workspaces and
-            # the instantiated graphs, which no eager step shows.
-            graph_estimate += size * mc.vocab_size * 4 + GRAPH_OVERHEAD_BYTES
-        return MemoryProfile(weight_bytes, peak, graph_estimate)
+            # Capture every graph once against the stand-in cache and measure what the device
+            # lost (pool, instantiated graphs, output buffer, the capture stream's cuBLAS
+            # workspace): a graph's memory does not depend on the cache it points into.
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info(dev)[0]
+            probe = DecodeGraphs(graph_sizes, mc.vocab_size, dev, self._capture_stream)
+            probe.capture(lambda size: self._graph_forward(size, dummy_kv))
+            graph_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
+            del probe
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+        return MemoryProfile(weight_bytes, peak, graph_bytes)
 
     def _peak_bytes(self, fn: Callable[[], None]) -> int:
         """How far fn grows the allocator's reserved memory: allocations plus the rounding and
@@ -258,8 +266,9 @@ class ModelRunner:
         except Exception:  # a sampler bug should fail requests that hit it, not start-up
             log.warning("memory profile: the sampler failed; its memory is not counted", exc_info=True)
 
-    def _graph_forward(self, size: int) -> Callable[[], torch.Tensor]:
-        """Load padding inputs for a decode step of `size` rows; return the forward to capture."""
+    def _graph_forward(self, size: int, kv_caches: KVCaches | None = None) -> Callable[[], torch.Tensor]:
+        """Load padding inputs for a decode step of `size` rows; return the forward to capture
+        (against the KV cache, or the profile's stand-in)."""
         t = self.inputs.load(
             [0] * size, [0] * size, [0] * size, [self.inputs.pad_row] * size, [1] * size,
             list(range(size + 1)), [],
@@ -267,7 +276,8 @@ class ModelRunner:
         # Under a graph the lengths change per replay: only upper bounds are baked in.
         meta = StepMeta(1, self.max_model_len, size, 0, None, None)
         rows = self._all_rows[:size]
-        return lambda: self.model(self._forward_batch(t, meta, rows, self.kv_caches))
+        kv = self.kv_caches if kv_caches is None else kv_caches
+        return lambda: self.model(self._forward_batch(t, meta, rows, kv))
 
     # ------------------------------------------------------------------ one step
     def execute(self, batch: ExecuteBatch) -> BatchResult:

@@ -51,8 +51,9 @@ def _prompt(i: int, n: int) -> list[int]:
 
 
 def test_decode_steps_never_sync(tmp_path) -> None:
+    # One size N means vLLM's pattern up to N: 1, 2, 4, then multiples of 8.
     r = _runner(tmp_path, dtype="bfloat16", kv_cache_memory=64 << 20, max_num_seqs=8, cuda_graph_sizes=[4])
-    assert r.graphs is not None and r.graphs.sizes == [4]
+    assert r.graphs is not None and r.graphs.sizes == [1, 2, 4]  # 3 sequences replay the size-4 graph
     # Each of the two checked decodes (the 2nd and the 4th) moves a sequence into a new block.
     lens = [13, 15, 46]
     next_block = iter(range(1, 1000))
