@@ -1,4 +1,4 @@
-"""Frontends: the Python API, the HTTP server, the batch pipe, the tokenizer pool.
+"""Frontends: the Python API, the HTTP server, the batch pipe, and the engine they share (engine/).
 
 The public names are re-exported by the package root: `from pagebus import LLM,
 SamplingParams`. LLM is imported lazily so that processes which only need the light

@@ -68,9 +68,10 @@ def _progress(args: argparse.Namespace) -> Any:
 
 async def _run(args: argparse.Namespace, fd: int, out: BinaryIO, answered: set[Any]) -> int:
     from pagebus.frontends.args import engine_config_from_args
-    from pagebus.frontends.batch.runner import LineReader, Runner, lazy_token_text
+    from pagebus.frontends.batch.runner import LineReader, Runner
     from pagebus.frontends.engine.client import AsyncEngineClient
     from pagebus.frontends.openai.handler import Context
+    from pagebus.frontends.tokenizer import token_text_fn
 
     cfg = engine_config_from_args(args)
     client = await AsyncEngineClient.start(
@@ -82,7 +83,7 @@ async def _run(args: argparse.Namespace, fd: int, out: BinaryIO, answered: set[A
         ctx = Context(
             args.served_model_name or info.model_name,
             info.vocab_size,
-            lazy_token_text(info.model_path, cfg.tokenizer),
+            token_text_fn(info.model_path, cfg.tokenizer),
         )
         loop = asyncio.get_running_loop()
         runner = Runner(

@@ -1,6 +1,6 @@
 """The batch loop: read lines, keep at most `max_inflight` of them open, write one answer per line.
 
-Each line goes through the same `frontends.http.handler` path as an HTTP request. A window slot is
+Each line goes through the same `frontends.openai.handler` path as an HTTP request. A window slot is
 taken before a line is read and given back when its answer is written, so in input order the
 reorder buffer never holds more than `max_inflight` lines: when the oldest unfinished line blocks
 the window, reading stops. The first interrupt stops intake and lets in-flight lines finish; a
@@ -14,11 +14,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, TypeVar
 
 from pagebus.frontends.batch.formats import Line, Outcome, api_failure, line_failure, parse_line, success
+from pagebus.frontends.engine.interface import AsyncEngine
 from pagebus.frontends.openai import handler as H
 from pagebus.frontends.openai.errors import APIError, ErrorCode, bad_request
 
@@ -113,7 +114,7 @@ def iter_lines(fd: int) -> Any:
 class Runner:
     def __init__(
         self,
-        client: H.Generator,
+        client: AsyncEngine,
         ctx: H.Context,
         out: BinaryIO,
         *,
@@ -240,20 +241,3 @@ class Runner:
             return task.result()
         task.cancel()
         return None
-
-
-def lazy_token_text(model_path: str, tokenizer: str | None) -> Callable[[int], str]:
-    """Token id -> text for logprobs; the tokenizer loads on first use (most batches never ask)."""
-    from functools import lru_cache
-
-    tok: list[Any] = []
-
-    @lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        if not tok:
-            from pagebus.frontends.tokenizer import Tokenizer
-
-            tok.append(Tokenizer.from_model(model_path, tokenizer))
-        return str(tok[0].decode([token_id], skip_special_tokens=False))
-
-    return token_text

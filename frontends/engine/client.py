@@ -1,8 +1,9 @@
-"""The client every frontend uses to talk to a multi-process engine, from its asyncio loop.
+"""The client of a multi-process engine, from an asyncio loop: `AsyncEngine` (interface.py).
 
-One reader task receives DeltaBatch frames (one per engine step) and dispatches each RequestDelta
-to its request's asyncio queue (SGLang's ReqState). Requests are pinned to a tokenizer pool by a
-hash of their id, so an abort reaches the pool that owns the request. Imports no torch.
+One reader task receives DeltaBatch frames (one per engine step) and hands each RequestDelta to
+its request's consumer (an asyncio queue for `generate`, SGLang's ReqState; any callback for
+`submit`). Requests are pinned to one tokenizer process by a hash of their id, so an abort
+reaches the process that owns the request. Imports no torch.
 
     client = await AsyncEngineClient.start(EngineConfig())
     async for delta in client.generate(GenerateRequest(request_id="1", prompt="Hi", params=p)):
@@ -18,8 +19,8 @@ import itertools
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -41,29 +42,18 @@ from pagebus.bus.messages import (
 )
 from pagebus.bus.proc import StartupError
 from pagebus.bus.sockets import DEFAULT_HWM
+from pagebus.frontends.engine.interface import EngineDeadError, EngineInfo
 from pagebus.frontends.engine.launcher import Launcher
 from pagebus.frontends.model_files import model_name, resolve_model
 
 log = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped; the message is safe to show a client."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model_name: str
-    model_path: str
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    startup_seconds: float
+Deliver = Callable[[RequestDelta | BaseException], object]
 
 
 @dataclass
 class _ReqState:
-    queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
+    deliver: Deliver  # called on the loop thread with each delta, or the error that ends it
 
 
 class AsyncEngineClient:
@@ -137,20 +127,33 @@ class AsyncEngineClient:
         if self._closing:
             raise EngineDeadError("the engine is shutting down and accepts no new requests")
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]:
-        """Deltas of one request until it finishes. Closing the iterator early (client
-        disconnect, cancellation) aborts the request in the engine."""
+    def submit(self, req: GenerateRequest, deliver: Deliver) -> None:
+        """Send a request; `deliver` gets each of its deltas, or the error that ends it, on the
+        loop thread. Call from the loop thread."""
         self._check_open()
         rid = req.request_id
         if rid in self._reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        st = self._reqs[rid] = _ReqState()
+        st = self._reqs[rid] = _ReqState(deliver)
         self._idle.clear()
-        finished = False
         try:
             self._launcher.send_pool(self._pool(rid), req)
+        except BaseException:
+            if self._reqs.get(rid) is st:
+                self._forget(rid)
+            raise
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """Deltas of one request until it finishes. Closing the iterator early (client
+        disconnect, cancellation) aborts the request in the engine."""
+        rid = req.request_id
+        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self.submit(req, queue.put_nowait)
+        st = self._reqs[rid]
+        finished = False
+        try:
             while True:
-                item = await st.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -220,7 +223,7 @@ class AsyncEngineClient:
             st = self._reqs.get(d.request_id)
             if st is None:
                 continue  # aborted or abandoned here already
-            st.queue.put_nowait(d)
+            st.deliver(d)
             if d.finished:
                 self._forget(d.request_id)
 
@@ -231,7 +234,7 @@ class AsyncEngineClient:
 
     def _fail_all(self, err: BaseException) -> None:
         for st in self._reqs.values():
-            st.queue.put_nowait(err)
+            st.deliver(err)
         self._reqs.clear()
         self._idle.set()
         for fut in self._futs.values():

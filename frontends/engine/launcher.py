@@ -1,14 +1,15 @@
-"""Starts and stops one engine's processes: tokenizer pool(s) and the scheduler (which spawns the
-workers it drives). Synchronous; `AsyncEngineClient` drives it from the frontend's event loop.
+"""Starts and stops one engine's processes: the tokenizer processes (`tokenizer_workers` of them)
+and the scheduler (which spawns the workers it drives). Synchronous; `AsyncEngineClient` drives
+it from the frontend's event loop.
 
 Endpoints are ipc:// sockets in a per-engine runtime dir, so two engines never collide:
 
-    frontend_in        frontend PULL   <- pools PUSH (DeltaBatch, TokenizeResult, EngineDead)
-    tok_in_<i>         pool i PULL     <- frontend PUSH (and the launcher's Shutdown)
-    tok_step_<i>       pool i PULL     <- scheduler PUSH (StepOutput, EngineDead)
-    scheduler_in       scheduler ROUTER <- pools DEALER "tok-<i>", launcher DEALER "launcher"
+    frontend_in        frontend PULL    <- tokenizers PUSH (DeltaBatch, TokenizeResult, EngineDead)
+    tok_in_<i>         tokenizer i PULL <- frontend PUSH (and the launcher's Shutdown)
+    tok_step_<i>       tokenizer i PULL <- scheduler PUSH (StepOutput, EngineDead)
+    scheduler_in       scheduler ROUTER <- tokenizers DEALER "tok-<i>", launcher DEALER "launcher"
     ring / worker_out / worker_handshake   scheduler <-> workers
-    handshake          launcher PULL   <- Hello/Ready of the pools and the scheduler
+    handshake          launcher PULL    <- Hello/Ready/StartupFailed of the tokenizers and the scheduler
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ class Launcher:
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
         """Spawn every process. Call from a long-lived thread: PR_SET_PDEATHSIG follows the thread."""
-        from pagebus.frontends.engine.tokenizer_process import pool_main
+        from pagebus.frontends.engine.tokenizer_process import tokenizer_main
         from pagebus.scheduler.main import scheduler_main
         from pagebus.workers.main import worker_main  # imports torch only inside the worker process
 
         cfg_bytes = msgspec.msgpack.encode(self.cfg)
         for i in range(self.n_pools):
             args = (cfg_bytes, self.model_path, i, self.addrs)
-            self.procs.append(spawn(pool_main, f"tokenizer-{i}", "tokenizer", i, args))
+            self.procs.append(spawn(tokenizer_main, f"tokenizer-{i}", "tokenizer", i, args))
         args2 = (cfg_bytes, self.model_path, self.addrs, self.n_pools, worker_main)
         self.procs.append(spawn(scheduler_main, "scheduler-0", "scheduler", 0, args2))
 

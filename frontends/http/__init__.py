@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server: a lean ASGI app over `AsyncEngineClient`, run by uvicorn."""
+"""The OpenAI-compatible HTTP server: a lean ASGI app over an `AsyncEngine`, run by uvicorn."""

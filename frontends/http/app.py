@@ -12,18 +12,15 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from pagebus.bus.messages import (
-    GenerateRequest,
-    RequestDelta,
-    SchedulerStats,
     TokenizeRequest,
-    TokenizeResult,
 )
+from pagebus.frontends.engine.interface import AsyncEngine
 from pagebus.frontends.http.asgi import (
     JSON_HEADERS,
     ClientGone,
@@ -44,19 +41,6 @@ from pagebus.frontends.openai.streaming import DONE, SSE_HEADERS, ResponseBuilde
 
 logger = logging.getLogger("pagebus.http")
 _json = msgspec.json.Encoder()
-
-
-class EngineClient(Protocol):
-    """What the app needs of `frontends.engine_client.AsyncEngineClient` (tests pass a fake)."""
-
-    info: Any
-    latest_stats: SchedulerStats | None
-    is_ready: bool
-    is_dead: bool
-
-    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]: ...
-    async def tokenize(self, req: TokenizeRequest) -> TokenizeResult: ...
-    async def detokenize(self, token_ids: list[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +69,7 @@ class _Admission:
 
 class App:
     def __init__(
-        self, client: EngineClient, settings: Settings, token_text: Callable[[int], str] = str
+        self, client: AsyncEngine, settings: Settings, token_text: Callable[[int], str] = str
     ) -> None:
         self.client, self.settings, self.token_text = client, settings, token_text
         self.metrics = Metrics(lambda: client.latest_stats)

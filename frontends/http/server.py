@@ -16,14 +16,14 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Generator
-from functools import lru_cache
+from collections.abc import Generator
 from types import FrameType
 
 import uvicorn
 from pagebus.frontends.args import engine_config_from_args
 from pagebus.frontends.http.app import App, Settings
 from pagebus.frontends.http.options import api_key_from
+from pagebus.frontends.tokenizer import token_text_fn
 
 logger = logging.getLogger("pagebus.http")
 
@@ -66,19 +66,6 @@ def _ready_line(host: str, port: int, model: str, api_key: str | None) -> str:
     )
 
 
-def _token_text_fn(model: str | None, tokenizer: str | None) -> Callable[[int], str]:
-    """Token id -> text for logprobs, from a tokenizer in this process (cheap: tokenizers only)."""
-    from pagebus.frontends.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_model(model, tokenizer)
-
-    @lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        return tok.decode([token_id], skip_special_tokens=False)
-
-    return token_text
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("pagebus")
@@ -116,7 +103,7 @@ async def serve(args: argparse.Namespace) -> int:
             allowed_origins=origins,
             version=_version(),
         )
-        app = App(client, settings, _token_text_fn(client.info.model_path, cfg.tokenizer))
+        app = App(client, settings, token_text_fn(client.info.model_path, cfg.tokenizer))
         config = uvicorn.Config(
             app,
             host=args.host,

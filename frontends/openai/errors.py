@@ -8,6 +8,7 @@ import re
 import msgspec
 from pagebus.bus.messages import ErrorKind
 from pagebus.bus.validation import ParamError
+from pagebus.frontends.engine.interface import EngineDeadError
 
 # OpenAI's `type` names per status; clients (the openai package) pick their exception by status.
 _TYPES = {
@@ -119,6 +120,4 @@ def engine_dead(message: str) -> APIError:
 
 
 def is_engine_dead(e: BaseException) -> bool:
-    from pagebus.frontends.engine.client import EngineDeadError  # imported on error paths only (pulls zmq)
-
     return isinstance(e, EngineDeadError)

@@ -13,18 +13,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pagebus.bus.messages import GenerateRequest, RequestDelta
+from pagebus.frontends.engine.interface import AsyncEngine
 from pagebus.frontends.openai import protocol as P
 from pagebus.frontends.openai.errors import delta_error, engine_dead, is_engine_dead
 from pagebus.frontends.openai.streaming import ResponseBuilder
 
 Kind = Literal["completion", "chat"]
-
-
-class Generator(Protocol):
-    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]: ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ def _prepare_chat(body: P.ChatCompletionRequest, ctx: Context) -> Prepared:
     return Prepared("chat", body, [gen], builder)
 
 
-async def run(client: Generator, prep: Prepared) -> AsyncIterator[tuple[int, RequestDelta, list[Any]]]:
+async def run(client: AsyncEngine, prep: Prepared) -> AsyncIterator[tuple[int, RequestDelta, list[Any]]]:
     """Run every bus request of `prep`, folding each delta into its builder as it comes.
 
     Yields (prompt index, delta, stream choices it produced). An engine-reported error or the
@@ -122,7 +119,7 @@ async def run(client: Generator, prep: Prepared) -> AsyncIterator[tuple[int, Req
         raise
 
 
-async def complete(client: Generator, prep: Prepared) -> P.Response:
+async def complete(client: AsyncEngine, prep: Prepared) -> P.Response:
     """The whole non-streamed response body."""
     async for _ in run(client, prep):
         pass

@@ -53,10 +53,9 @@ def test_sigkill_fails_every_request_within_5s_and_leaves_no_process(victim: str
 
         tasks = [asyncio.create_task(one(i)) for i in range(3)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60.0)
-        role = {"worker": "worker_pid_0", "tokenizer": "tokenizer", "scheduler": "scheduler"}[victim]
         target = next(
-            (p.pid for p in client._launcher.procs if p.role == role),
-            int(client._launcher.facts[("scheduler", 0)].get(role, 0)),
+            (p.pid for p in client._launcher.procs if p.role == victim),
+            client._launcher.ready[("scheduler", 0)].worker_pids[0],  # workers are the scheduler's children
         )
         os.kill(target, signal.SIGKILL)
         t0 = time.monotonic()

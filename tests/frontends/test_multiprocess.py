@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +33,7 @@ def mp_llm(default_model: str) -> Iterator[Any]:
 
 
 def _client(llm: Any) -> AsyncEngineClient:
-    return llm._mp.client  # type: ignore[no-any-return]
+    return llm.engine.client  # type: ignore[no-any-return]
 
 
 def test_greedy_outputs_equal_the_in_process_engine(llm_fp32: Any, mp_llm: Any) -> None:
@@ -73,7 +72,7 @@ def _collect(llm: Any, req: GenerateRequest) -> list[Any]:
     async def run() -> list[Any]:
         return [d async for d in _client(llm).generate(req)]
 
-    return llm._mp._call(run())  # type: ignore[no-any-return]
+    return llm.engine.call(run())  # type: ignore[no-any-return]
 
 
 def test_invalid_requests_are_rejected_as_invalid_request(mp_llm: Any) -> None:
@@ -117,19 +116,30 @@ def test_closing_the_iterator_aborts_the_request(mp_llm: Any) -> None:
         assert deltas[-1].finished
         assert client.latest_stats is not None and client.latest_stats.num_running <= 1
 
-    mp_llm._mp._call(run())
+    mp_llm.engine.call(run())
 
 
 def test_tokenize_and_detokenize(mp_llm: Any) -> None:
     client, tok = _client(mp_llm), mp_llm.get_tokenizer()
-    res = mp_llm._mp._call(client.tokenize(TokenizeRequest(request_id="t1", prompt="hello world")))
+    res = mp_llm.engine.call(client.tokenize(TokenizeRequest(request_id="t1", prompt="hello world")))
     assert res.token_ids == tok.encode("hello world") and res.error is None
-    assert mp_llm._mp._call(client.detokenize(res.token_ids)) == "hello world"
-    bad = mp_llm._mp._call(client.tokenize(TokenizeRequest(request_id="t2")))
+    assert mp_llm.engine.call(client.detokenize(res.token_ids)) == "hello world"
+    bad = mp_llm.engine.call(client.tokenize(TokenizeRequest(request_id="t2")))
     assert bad.error
 
 
-def test_step_level_api_is_in_process_only(mp_llm: Any) -> None:
-    with pytest.raises(NotImplementedError):
-        mp_llm.add_request("x")
-    assert asyncio.iscoroutinefunction(AsyncEngineClient.start)
+def test_step_level_api_works_across_processes(llm_fp32: Any, mp_llm: Any) -> None:
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = {o.prompt: o.outputs[0].token_ids for o in llm_fp32.generate(PROMPTS[:3], p, use_tqdm=False)}
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    ids = {mp_llm.add_request(prompt, p): prompt for prompt in PROMPTS[:3]}
+    gone = mp_llm.add_request("Count: 1, 2,", long)
+    mp_llm.abort_request([gone])
+    done: dict[str, Any] = {}
+    while mp_llm.has_unfinished_requests():
+        for out in mp_llm.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[gone].outputs[0].finish_reason == "abort"
+    assert {ids[r]: done[r].outputs[0].token_ids for r in ids} == want
+    assert mp_llm.step() == [] and not mp_llm.has_unfinished_requests()

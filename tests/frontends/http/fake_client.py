@@ -24,7 +24,7 @@ from pagebus.bus.messages import (
     TokenizeResult,
     TokenLogprobs,
 )
-from pagebus.frontends.engine.client import EngineDeadError, EngineInfo
+from pagebus.frontends.engine.interface import EngineDeadError, EngineInfo
 
 
 def fake_info() -> EngineInfo:
