@@ -34,7 +34,7 @@ most C overflow payloads and C wake-ups, because the writer cannot run more than
 Idle readers block. A reader spins for at most `spin_s` (tens of microseconds), then sets its
 `sleep` byte, fences, re-checks the chunk and blocks in zmq.Poller on its SUB socket. After each
 write the writer fences and sends topic b"w<rank>" to every reader whose `sleep` byte is set. A
-spinning reader would steal a core from the worker on a 2-core box (FACTS.md).
+spinning reader would steal a core from the worker on a 2-core box.
 
 Failure. The writer waits for a free chunk with sleeps that back off to 1 ms, warns every
 `log_every_s`, raises `PeerDied` (a TimeoutError) as soon as a lagging reader's pid is gone, and

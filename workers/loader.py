@@ -92,7 +92,7 @@ def iter_gguf(path: str, cfg: ModelConfig) -> WeightIter:
             name = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         else:
             continue
-        # copy: GGUF tensors are read-only mmap views, and mmap reads stall on this VM (FACTS.md)
+        # copy: GGUF tensors are read-only mmap views, and mmap reads stall on some VMs
         arr = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
         w = torch.from_numpy(arr)
         if cfg.family == "llama" and m is not None and m.group(2) in ("attn_q", "attn_k"):

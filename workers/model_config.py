@@ -72,7 +72,7 @@ def config_from_hf(path: str) -> ModelConfig:
     arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
     fam = _family(arch, path)
     heads = c["num_attention_heads"]
-    # transformers 5 writes rope_parameters instead of rope_theta/rope_scaling (FACTS.md)
+    # transformers 5 writes rope_parameters instead of rope_theta/rope_scaling
     rope = c.get("rope_parameters") or {}
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
