@@ -6,8 +6,9 @@
 
 Each server starts in turn on a free 127.0.0.1 port with its best flags for the machine, is polled
 until /v1/models answers (bounded), gets every workload from vLLM's own benchmark client
-(`python -m vllm.benchmarks.serve --backend openai --dataset-name random --ignore-eos`, from the
-vLLM peer venv, tokenizer = the HF directory setup_peers.sh writes), and is stopped. A workload
+(`vllm bench serve --backend openai --dataset-name random --ignore-eos --temperature 0` through
+bench/peer_runners/vllm_bench_serve.py in the vLLM peer venv, tokenizer = the HF directory
+setup_peers.sh writes), and is stopped. A workload
 NxINxOUT@C is N prompts of IN random tokens, OUT output tokens each, at most C in flight.
 - pagebus: `pagebus serve --dtype D --no-enable-prefix-caching` (this repo's venv).
 - vllm: `vllm.entrypoints.openai.api_server --dtype D --enforce-eager --no-enable-prefix-caching`
@@ -45,6 +46,7 @@ from typing import Any
 from bench.common import emit, log, setup_logging
 from bench.peer_runners.ceilings import cpu_info, native_bf16
 
+RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 DEFAULT_PEER_DIR = "~/.cache/pagebus/peers"
 NOT_SET_UP = "not set up; run bench/setup_peers.sh"
 ENGINES = ("pagebus", "vllm", "llamacpp")
@@ -191,11 +193,8 @@ def llamacpp_cmd(
 
 
 def _ms(d: dict[str, Any], metric: str) -> dict[str, float | None]:
-    return {
-        "p50": d.get(f"median_{metric}_ms"),
-        "p99": d.get(f"p99_{metric}_ms"),
-        "mean": d.get(f"mean_{metric}_ms"),
-    }
+    keys = {"p50": f"median_{metric}_ms", "p99": f"p99_{metric}_ms", "mean": f"mean_{metric}_ms"}
+    return {k: None if d.get(v) is None else round(d[v], 2) for k, v in keys.items()}
 
 
 def run_vllm_client(
@@ -204,18 +203,22 @@ def run_vllm_client(
     """vLLM's benchmark client against srv; its result JSON, reduced to what we compare."""
     fname = f"{srv.name}_{w.name.replace('@', '_c')}.json"
     cmd = [
-        vllm["python"], "-m", "vllm.benchmarks.serve", "--backend", "openai", "--base-url", srv.base_url,
+        vllm["python"], str(RUNNERS / "vllm_bench_serve.py"), "--backend", "openai", "--base-url", srv.base_url,
         "--endpoint", "/v1/completions", "--model", srv.model, "--tokenizer", vllm["models"]["hf_dir"],
         "--dataset-name", "random", "--random-input-len", str(w.input_len),
         "--random-output-len", str(w.output_len), "--num-prompts", str(w.num_prompts),
         "--max-concurrency", str(w.concurrency), "--request-rate", "inf", "--ignore-eos", "--seed", str(seed),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", fname,
     ]  # fmt: skip
+    if srv.name.startswith("llamacpp"):
+        # llama_cpp.server has no ignore_eos: min_tokens holds EOS back instead. Its default
+        # repeat_penalty 1.1 would make it the only engine not greedy.
+        cmd += ["--extra-body", json.dumps({"min_tokens": w.output_len, "repeat_penalty": 1.0})]
     log.info("client: %s", shlex.join(cmd))
     with open(out_dir / f"{fname}.log", "wb") as out:
         proc = subprocess.run(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=peer_env(vllm), timeout=timeout_s
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=peer_env(vllm), timeout=timeout_s, cwd=RUNNERS
         )
     if proc.returncode != 0 or not (out_dir / fname).is_file():
         raise RuntimeError(
