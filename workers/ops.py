@@ -1,6 +1,7 @@
 """The compute backend: which implementation of each fused op the model calls.
 
-`torch` runs the `*_ref` functions of `kernels/` (the spec; the CPU path). `triton` runs the
+`torch` runs the `*_ref` functions of `kernels/` (the spec), except attention, which runs
+`paged_attention_cpu` (the ref's result without its padded per-layer copies). `triton` runs the
 Triton launchers (CUDA, or the interpreter in tests). The model only sees an `Ops`.
 """
 
@@ -28,12 +29,12 @@ class Ops:
 def torch_ops() -> Ops:
     from pagebus.kernels.activation import silu_and_mul_ref
     from pagebus.kernels.kv_cache_write import write_kv_cache_ref
-    from pagebus.kernels.paged_attention import paged_attention_ref
+    from pagebus.kernels.paged_attention_cpu import paged_attention_cpu
     from pagebus.kernels.rms_norm import rms_norm_ref
     from pagebus.kernels.rotary import rotary_embedding_ref
 
     return Ops(
-        "torch", rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, write_kv_cache_ref, paged_attention_ref
+        "torch", rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, write_kv_cache_ref, paged_attention_cpu
     )
 
 

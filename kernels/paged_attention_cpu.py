@@ -1,0 +1,239 @@
+"""Paged attention for CPUs: the torch backend's op, with `paged_attention_ref`'s layout and result.
+
+The ref gathers every decode sequence's blocks into a padded [B, kv_heads, L, d] copy per layer
+(and upcasts it); on a CPU that copy costs more than the attention itself. Here decodes read the
+cache in place, as one sparse problem over all decode rows:
+    scores = sampled_addmm(rows x cache rows)   one dot per (query head, key) pair, no K copy
+    p      = softmax(scores)                    fp32, on a [B, h, L] view of the scores
+    out    = embedding_bag(cache rows, p)       weighted sum of V rows, no V copy
+where a "cache row" is one (slot, kv head) vector of head_dim values: the caches are viewed as
+[rows, head_dim] matrices, so the column index of (query head h, key t of sequence b) is
+block_table[b, t // bs] * rows_per_block + (t % bs) * kv_heads + h // group.
+
+Both torch kernels exist on CPU for float32/float64 only; other dtypes (and cache layouts whose
+head vectors are not packed rows) take the gather path: only the blocks in use, copied once,
+upcast to fp32, through SDPA on strided views. Prefill chunks go one sequence at a time through
+SDPA (is_causal when the chunk is the whole sequence, an offset causal mask after a prefix).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import torch
+import torch.nn.functional as F
+from pagebus.kernels.paged_attention import paged_attention_ref
+
+# torch warns once per process that sparse CSR tensors are "beta" (the two kernels used here are
+# plain ones): spend that warning here, silenced, rather than in the first step.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.sparse_csr_tensor(torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1))
+
+_SPARSE_DTYPES = (torch.float32, torch.float64)
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    seq_lens_host: list[int] | None = None,
+    query_start_loc_host: list[int] | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref` for CPU tensors.
+
+    max_query_len: an upper bound on the query lengths; 1 (a decode-only step) skips looking for
+        prefill chunks.
+    max_seq_len: an upper bound on seq_lens; without seq_lens_host it sizes the decode rows
+        without reading the lengths on the host.
+    seq_lens_host, query_start_loc_host: the same values as host lists, so the op need not read
+        the tensors back."""
+    if q.device.type != "cpu":  # the torch backend on an accelerator: the ref's batched SDPA
+        return paged_attention_ref(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+            seq_lens_host=seq_lens_host, query_start_loc_host=query_start_loc_host,
+        )  # fmt: skip
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} vs caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
+    starts = query_start_loc_host if query_start_loc_host is not None else query_start_loc.tolist()
+    num_seqs = len(starts) - 1
+    if max_query_len == 1:
+        decode = [i for i in range(num_seqs) if starts[i + 1] > starts[i]]
+        prefill: list[int] = []
+    else:
+        qlens = [b - a for a, b in itertools.pairwise(starts)]
+        decode = [i for i, n in enumerate(qlens) if n == 1]
+        prefill = [i for i, n in enumerate(qlens) if n > 1]
+    lens = seq_lens_host
+    if lens is None and (prefill or not max_seq_len):
+        lens = seq_lens.tolist()
+    if decode and not prefill and len(decode) == num_seqs == num_tokens:
+        buckets = _buckets(decode, lens, max_seq_len)
+        if len(buckets) == 1:  # token i is sequence i's query, all in one batch: no gather, no scatter
+            return _decode(q, k_cache, v_cache, block_tables, seq_lens, buckets[0][1], lens, scale)
+    out = torch.empty_like(q)
+    if decode:
+        for rows, width in _buckets(decode, lens, max_seq_len):
+            idx = torch.tensor(rows)
+            tok = torch.tensor([starts[i] for i in rows])
+            sub_lens = None if lens is None else [lens[i] for i in rows]
+            o = _decode(
+                q.index_select(0, tok), k_cache, v_cache, block_tables.index_select(0, idx),
+                seq_lens.index_select(0, idx), width, sub_lens, scale,
+            )  # fmt: skip
+            out.index_copy_(0, tok, o)
+    for i in prefill:
+        assert lens is not None
+        a, b = starts[i], starts[i + 1]
+        out[a:b] = _prefill(q[a:b], k_cache, v_cache, block_tables[i], lens[i], scale)
+    return out
+
+
+def _buckets(rows: list[int], lens: list[int] | None, max_seq_len: int | None) -> list[tuple[list[int], int]]:
+    """Decode rows grouped so that padding each group to its longest row at most doubles its
+    work: (rows, width) per group. Without host lengths, one group as wide as max_seq_len."""
+    if lens is None:
+        return [(rows, int(max_seq_len or 0))]
+    order = sorted(rows, key=lambda i: -lens[i])
+    groups: list[tuple[list[int], int]] = []
+    for i in order:
+        if groups and 2 * lens[i] > groups[-1][1]:
+            groups[-1][0].append(i)
+        else:
+            groups.append(([i], lens[i]))
+    if len(groups) == 1:
+        return [(rows, groups[0][1])]  # keep the caller's order: it may need no gather at all
+    return groups
+
+
+def _rows_view(cache: torch.Tensor) -> torch.Tensor | None:
+    """The cache as a [rows, head_dim] matrix over its storage (one row per slot and KV head),
+    or None when its head vectors are not rows of such a matrix."""
+    num_blocks, bs, kvh, d = cache.shape
+    s0, s1, s2, s3 = cache.stride()
+    if s3 != 1 or s2 != d or s1 % d or s0 % d:
+        return None
+    last = (num_blocks - 1) * s0 + (bs - 1) * s1 + (kvh - 1) * s2  # offset of the last row
+    return cache.as_strided((last // d + 1, d), (d, 1))
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    width: int,
+    lens: list[int] | None,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, h, d], one query per sequence at its last position, keys 0 .. len - 1 <= width - 1
+    -> [B, h, d]."""
+    width = min(width, tables.shape[1] * k_cache.shape[1])  # no sequence outgrows its table
+    k_rows = _rows_view(k_cache) if q.dtype in _SPARSE_DTYPES and k_cache.dtype == q.dtype else None
+    v_rows = _rows_view(v_cache) if k_rows is not None and v_cache.dtype == q.dtype else None
+    if k_rows is None or v_rows is None or k_cache.stride() != v_cache.stride():
+        return _decode_gathered(q, k_cache, v_cache, tables, lens_t, width, scale)
+    padded = lens is None or any(n != width for n in lens)
+    return _decode_in_place(q, k_cache, k_rows, v_rows, tables, lens_t, width, padded, scale)
+
+
+def _decode_in_place(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    width: int,
+    padded: bool,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    s0, s1, s2, _ = (s // d for s in k_cache.stride())
+    pos = torch.arange(width)
+    # Keys past a row's length repeat its last key (a slot it has written: finite values); their
+    # scores are masked to -inf, so they weigh exactly 0.
+    pos_c = torch.minimum(pos, lens_t.long().unsqueeze(1) - 1) if padded else pos.expand(num_seqs, width)
+    key_rows = tables.long().gather(1, pos_c.div(bs, rounding_mode="floor")).mul_(s0).add_(pos_c % bs * s1)
+    head_off = torch.arange(num_heads).div_(num_heads // kvh, rounding_mode="floor").mul_(s2)
+    cols = (key_rows.unsqueeze(1) + head_off.unsqueeze(1)).view(-1)  # [B, h, width]: cache rows
+    num_rows = num_seqs * num_heads
+    pattern = torch.sparse_csr_tensor(
+        torch.arange(0, num_rows * width + 1, width),
+        cols,
+        torch.zeros(cols.shape[0], dtype=q.dtype),
+        size=(num_rows, k_rows.shape[0]),
+        check_invariants=False,  # valid by construction; the check costs a pass over the indices
+    )
+    # beta=0 still reads the pattern's values (0 * x): they must be zeros, not garbage.
+    scores = torch.sparse.sampled_addmm(pattern, q.reshape(num_rows, d), k_rows.t(), beta=0.0, alpha=scale)
+    s = scores.values().view(num_seqs, num_heads, width)
+    if padded:
+        s.masked_fill_((pos >= lens_t.unsqueeze(1)).unsqueeze(1), float("-inf"))
+    p = s.softmax(-1)
+    # Bags are the [B * h] rows of `cols`: each output row is sum_t p[t] * V[cols[t]].
+    o = F.embedding_bag(
+        cols.view(num_rows, width), v_rows, mode="sum", per_sample_weights=p.view(num_rows, width)
+    )
+    return o.view(num_seqs, num_heads, d)
+
+
+def _decode_gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    width: int,
+    scale: float,
+) -> torch.Tensor:
+    """The fallback: copy the blocks in use once (padded to the longest row), attend in fp32."""
+    num_seqs, _, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    nb = -(-width // bs)
+    idx = tables[:, :nb].reshape(-1).long()
+    # [B * nb, bs, kvh, d] -> [B, kvh, L, d] strided views: SDPA reads them without a copy.
+    k = k_cache.index_select(0, idx).view(num_seqs, nb * bs, kvh, d).transpose(1, 2).float()
+    v = v_cache.index_select(0, idx).view(num_seqs, nb * bs, kvh, d).transpose(1, 2).float()
+    mask = (torch.arange(nb * bs) < lens_t.unsqueeze(1))[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o.squeeze(2).to(q.dtype)
+
+
+def _prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's chunk: q [qlen, h, d] at positions seq_len - qlen .. seq_len - 1."""
+    qlen, _, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    idx = table[: -(-seq_len // bs)].long()
+    k = k_cache.index_select(0, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)  # [kvh, n, d]
+    v = v_cache.index_select(0, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)
+    qt = q.transpose(0, 1)  # [h, qlen, d]
+    if q.dtype not in _SPARSE_DTYPES:  # the ref's precision: fp32 products and softmax
+        qt, k, v = qt.float(), k.float(), v.float()
+    if qlen == seq_len:  # no prefix: plain causal, SDPA's fused path
+        o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query j sees keys 0 .. seq_len - qlen + j
+        mask = torch.arange(seq_len) <= torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
+        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1).to(q.dtype)
