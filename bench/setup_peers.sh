@@ -111,10 +111,12 @@ run_step() {  # run_step PEER: set it up unless its marker exists; a failure is 
   mkdir -p "$CACHE/$p"
   # One setup per peer at a time: a second run (e.g. --only vllm while the full run builds
   # llama.cpp) waits here, then finds the marker.
-  exec 9>"$CACHE/$p/.lock"
-  flock 9
+  # Its own descriptor: vllm's step may run hf's inside it, and must keep holding its own lock.
+  local fd
+  exec {fd}>"$CACHE/$p/.lock"
+  flock "$fd"
   if [ "$(cat "$CACHE/$p/.ready" 2>/dev/null)" = "$SETUP_VERSION" ]; then
-    log "$p: already set up (rm $CACHE/$p/.ready to redo)"; return 0
+    log "$p: already set up (rm $CACHE/$p/.ready to redo)"; exec {fd}>&-; return 0
   fi
   log "$p: setting up"
   local t0=$SECONDS
@@ -125,6 +127,7 @@ run_step() {  # run_step PEER: set it up unless its marker exists; a failure is 
   else
     rm -f "$CACHE/$p/peer.json"; log "$p: FAILED after $((SECONDS - t0)) s (see above); skipped"
   fi
+  exec {fd}>&-
   [ "$(cat "$CACHE/$p/.ready" 2>/dev/null)" = "$SETUP_VERSION" ]
 }
 
