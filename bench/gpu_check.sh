@@ -36,7 +36,7 @@ run_part() {  # run_part NAME SECONDS CMD...: stdout -> NAME.json, stderr -> NAM
 
 # pytest's summary goes to the log; its JSON file stays empty.
 run_part pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/workers/test_gpu_runner.py tests/kernels/test_paged_attention.py
+    tests/workers/test_gpu_runner.py tests/workers/test_sampling_batched.py tests/kernels/test_paged_attention.py
 mv "$PARTS/pytest.json" "$PARTS/pytest.log.stdout" 2> /dev/null
 cat "$PARTS/pytest.log.stdout" >> "$PARTS/pytest.log" 2> /dev/null
 rm -f "$PARTS/pytest.log.stdout"

@@ -77,6 +77,7 @@ def test_batched_equals_reference_on_a_seeded_grid(
     _check_grid(random.Random(vocab * 7 + len(mode)), vocab, torch.device("cpu"))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("vocab", [50, 3000, 49152])
 def test_cuda_equals_reference_on_a_seeded_grid(vocab: int) -> None:
