@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a CUDA machine (from anywhere; it runs from the repo root):
-#   (a) pytest over the GPU tests (marked `gpu`), (b) python -m bench.kernels_gpu,
+#   (a) pytest over the kernel tests (on CUDA) and the GPU-only worker tests, (b) python -m bench.kernels_gpu,
 #   (c) python -m bench.gpu_e2e (a random-weight Llama-3-8B-shaped model, graphs on and off).
 # Each part runs under its own timeout; a failing part is recorded and the others still run.
 # Prints one JSON object (and writes $OUT/gpu_check.json when $OUT is set); the parts' logs
@@ -35,8 +35,9 @@ run_part() {  # run_part NAME SECONDS CMD...: stdout -> NAME.json, stderr -> NAM
 }
 
 # pytest's summary goes to the log; its JSON file stays empty.
-run_part pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/workers/test_gpu_runner.py tests/workers/test_sampling_batched.py tests/kernels/test_paged_attention.py
+# Every kernel test (on a GPU they run on CUDA, not the interpreter) and the CUDA-only worker tests.
+run_part pytest 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels \
+    tests/workers/test_gpu_runner.py tests/workers/test_sampling_batched.py::test_cuda_equals_reference_on_a_seeded_grid
 mv "$PARTS/pytest.json" "$PARTS/pytest.log.stdout" 2> /dev/null
 cat "$PARTS/pytest.log.stdout" >> "$PARTS/pytest.log" 2> /dev/null
 rm -f "$PARTS/pytest.log.stdout"
