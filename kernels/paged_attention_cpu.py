@@ -29,7 +29,9 @@ from pagebus.kernels.paged_attention import paged_attention_ref
 # plain ones): spend that warning here, silenced, rather than in the first step.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    torch.sparse_csr_tensor(torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1))
+    torch.sparse_csr_tensor(
+        torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1)
+    )
 
 _SPARSE_DTYPES = (torch.float32, torch.float64)
 

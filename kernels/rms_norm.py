@@ -23,6 +23,24 @@ def rms_norm_ref(
     return out if residual is None else (out, residual)
 
 
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch backend's RMSNorm: `rms_norm_ref`'s ops in the same order (the same bits), but
+    in place on its own temporaries. Freshly allocated [tokens, hidden] buffers cost page
+    faults on every large prefill, and each op a dispatch on small decodes. Other dtypes than
+    float32 round between ops as the ref does, so they run the ref."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return rms_norm_ref(x, weight, eps, residual)
+    if residual is not None:
+        if residual.dtype != torch.float32:
+            return rms_norm_ref(x, weight, eps, residual)
+        x = x + residual
+    inv = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    out = torch.mul(x, inv).mul_(weight)
+    return out if residual is None else (out, x)
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]

@@ -29,6 +29,57 @@ def rotary_embedding_ref(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def rotary_embedding_cpu(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch backend's rotary: the ref's arithmetic (the same bits in float32), with q and k
+    rotated as one [tokens, heads + kv_heads, head_dim] tensor when they are adjacent views of
+    the fused QKV output (the model's case): a handful of ops in all, no cat, no upcast copies.
+    Returns new tensors (views of one buffer), like the ref; other dtypes run the ref."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32:
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    cs = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, rot]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[..., :half], cs[..., half:]
+    num_heads = q.shape[1]
+    qk = _adjacent(q, k)
+    if qk is None:
+        return _rotate_cpu(q, cos, sin), _rotate_cpu(k, cos, sin)
+    out = _rotate_cpu(qk, cos, sin)
+    return out[:, :num_heads], out[:, num_heads:]
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, h + kvh, d] over q's storage when k's heads directly follow q's in every row."""
+    t, h, d = q.shape
+    stride = q.stride()
+    if stride[1:] != (d, 1) or k.stride()[1:] != (d, 1) or k.shape[0] != t or k.shape[2] != d:
+        return None
+    if t > 1 and k.stride(0) != stride[0]:  # a single row's stride is arbitrary
+        return None
+    if k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr():
+        return None
+    if k.storage_offset() != q.storage_offset() + h * d:
+        return None
+    return q.as_strided((t, h + k.shape[1], d), stride)
+
+
+def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    rot = 2 * half
+    x1, x2 = x[..., :half], x[..., half:rot]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:rot]
+    # o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product rounded before the sum as in the ref.
+    torch.mul(x1, cos, out=o1)
+    torch.mul(x2, cos, out=o2)
+    o1.sub_(x2 * sin)
+    o2.add_(x1 * sin)
+    if rot < x.shape[-1]:
+        out[..., rot:] = x[..., rot:]
+    return out
+
+
 @triton.jit
 def _rotate_heads(
     x_ptr, tok, stride_t, stride_h, num_heads, cos, sin, HEADS_PAD: tl.constexpr, HALF, HALF_PAD: tl.constexpr

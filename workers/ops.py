@@ -1,7 +1,7 @@
 """The compute backend: which implementation of each fused op the model calls.
 
-`torch` runs the `*_ref` functions of `kernels/` (the spec), except attention, which runs
-`paged_attention_cpu` (the ref's result without its padded per-layer copies). `triton` runs the
+`torch` runs the `*_cpu` functions of `kernels/`: the `*_ref` specs' results with fewer passes
+and copies (attention reads the paged cache in place; the KV write is the ref). `triton` runs the
 Triton launchers (CUDA, or the interpreter in tests). The model only sees an `Ops`.
 """
 
@@ -27,14 +27,14 @@ class Ops:
 
 
 def torch_ops() -> Ops:
-    from pagebus.kernels.activation import silu_and_mul_ref
+    from pagebus.kernels.activation import silu_and_mul_cpu
     from pagebus.kernels.kv_cache_write import write_kv_cache_ref
     from pagebus.kernels.paged_attention_cpu import paged_attention_cpu
-    from pagebus.kernels.rms_norm import rms_norm_ref
-    from pagebus.kernels.rotary import rotary_embedding_ref
+    from pagebus.kernels.rms_norm import rms_norm_cpu
+    from pagebus.kernels.rotary import rotary_embedding_cpu
 
     return Ops(
-        "torch", rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, write_kv_cache_ref, paged_attention_cpu
+        "torch", rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu, write_kv_cache_ref, paged_attention_cpu
     )
 
 
