@@ -403,7 +403,9 @@ def paged_attention(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
 
     group = num_heads // num_kv_heads
-    fp32 = k_cache.dtype == torch.float32
+    # An fp32 operand on either side needs full-precision products: tf32 (and a native 16-bit
+    # dot) would round an fp32 q to 10 mantissa bits.
+    fp32 = k_cache.dtype == torch.float32 or q.dtype == torch.float32
     on_gpu = q.device.type == "cuda"
     native = on_gpu and not fp32 and (opts.dot_operands or "native") == "native"
     t = _tiling(opts, group, head_dim, max_query_len, on_gpu, fp32, native)
@@ -439,7 +441,7 @@ def paged_attention(
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_PAD=t.head_pad, GROUP=group, GROUP_PAD=t.group_pad,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGE_SIZE=page_size, NUM_SPLITS=splits,
-        # fp16/bf16 values are exact in tf32; only fp32 caches need full-precision products.
+        # fp16/bf16 values are exact in tf32; an fp32 q or cache needs full-precision products.
         DOT_PRECISION="ieee" if fp32 else "tf32",
         NATIVE_DOT=native,
         num_warps=t.num_warps,
