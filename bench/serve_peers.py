@@ -13,7 +13,8 @@ NxINxOUT@C is N prompts of IN random tokens, OUT output tokens each, at most C i
 - pagebus: `pagebus serve --dtype D --no-enable-prefix-caching` (this repo's venv).
 - vllm: `vllm.entrypoints.openai.api_server --dtype D --enforce-eager --no-enable-prefix-caching`
   (eager: torch.compile costs 64-96 s per start on 2 cores and its cache does not reload).
-- llamacpp: `llama_cpp.server` (llama-cpp-python[server]) with each GGUF of --llamacpp-formats
+- llamacpp: `llama_cpp.server` (llama-cpp-python[server], through bench/peer_runners/llamacpp_server.py,
+  which lets it accept the client's request ids) with each GGUF of --llamacpp-server-formats
   (default the Q4_1 original, llama.cpp's fastest format of this model); it runs one request at a
   time, which is how that server works.
 D is --dtype (auto: bfloat16 where the CPU has native bf16, else float32), the same for pagebus and
@@ -184,11 +185,13 @@ def llamacpp_cmd(
     manifest: dict[str, Any], fmt: str, port: int, n_ctx: int, opts: argparse.Namespace
 ) -> list[str]:
     return [
-        manifest["python"], "-m", "llama_cpp.server", "--model", manifest["models"][fmt],
+        manifest["python"], str(RUNNERS / "llamacpp_server.py"), "--model", manifest["models"][fmt],
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx),
         "--n_threads", str(opts.threads), "--n_threads_batch", str(opts.threads),
         "--n_batch", str(opts.llamacpp_n_batch), "--n_ubatch", str(opts.llamacpp_n_ubatch),
         "--use_mmap", "False",  # mmap reads stall on these VMs; hold the weights in RAM
+        "--disable_ping_events", "True",  # SSE comment lines between chunks; not every client skips them
+        "--interrupt_requests", "False",  # queue concurrent requests; by default a new one aborts the running one
     ]  # fmt: skip
 
 
@@ -209,7 +212,7 @@ def run_vllm_client(
         "--random-output-len", str(w.output_len), "--num-prompts", str(w.num_prompts),
         "--max-concurrency", str(w.concurrency), "--request-rate", "inf", "--ignore-eos", "--seed", str(seed),
         "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(out_dir), "--result-filename", fname,
+        "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", fname,
     ]  # fmt: skip
     if srv.name.startswith("llamacpp"):
         # llama_cpp.server has no ignore_eos: min_tokens holds EOS back instead. Its default
@@ -229,6 +232,7 @@ def run_vllm_client(
         "client": "vllm.benchmarks.serve",
         "completed": d.get("completed"),
         "failed": d.get("failed", w.num_prompts - (d.get("completed") or 0)),
+        "errors": sorted({e for e in d.get("errors") or [] if e})[:3],
         "duration_s": round(d["duration"], 3),
         "total_input_tokens": d.get("total_input_tokens"),
         "total_output_tokens": d.get("total_output_tokens"),
