@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
-from pagebus.bus.messages import AddRequest, CachedSeq, ExecuteBatch, NewSeq, SamplingParams
-from pagebus.scheduler.scheduler import Scheduler
+from pagebus.bus.messages import CachedSeq, ExecuteBatch, NewSeq, SamplingParams
 from pagebus.workers.runner import ModelRunner
 
 from bench.gpu_e2e import write_llama_config
+from tests.workers.drive import drive_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -89,17 +89,7 @@ def test_decode_steps_never_sync(tmp_path) -> None:
 
 
 def _drive(r: ModelRunner, prompts: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
-    sched = Scheduler(r.cfg, r.num_blocks, r.max_model_len, None, hash_seed=b"gpu")
-    for rid, (ids, n) in prompts.items():
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        sched.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, params=params))
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        assert batch is not None
-        for u in sched.update(batch, r.execute(batch)):
-            out[u.request_id].extend(u.new_token_ids)
-    return out
+    return drive_greedy(r, prompts)[0]
 
 
 def test_graph_replay_gives_the_eager_tokens(tmp_path) -> None:

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig, cuda_graph_batch_sizes
-from pagebus.bus.messages import AddRequest, CachedSeq, ExecuteBatch, NewSeq, SamplingParams
+from pagebus.bus.messages import CachedSeq, ExecuteBatch, NewSeq, SamplingParams
 from pagebus.kernels.paged_attention import paged_attention_ref
-from pagebus.scheduler.scheduler import Scheduler
 from pagebus.workers.runner import ModelRunner
 from torch.overrides import TorchFunctionMode
 
 from bench.gpu_e2e import TINY, write_llama_config
+from tests.workers.drive import drive_greedy
 
 _READBACKS = {
     torch.Tensor.tolist,
@@ -51,17 +51,7 @@ def _tiny_runner(tmp_path, **kw: Any) -> ModelRunner:
 
 
 def _drive(runner: ModelRunner, prompts: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
-    sched = Scheduler(runner.cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"t")
-    for rid, (ids, n) in prompts.items():
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        sched.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, params=params))
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        assert batch is not None
-        for u in sched.update(batch, runner.execute(batch)):
-            out[u.request_id].extend(u.new_token_ids)
-    return out
+    return drive_greedy(runner, prompts)[0]
 
 
 PROMPTS = {f"r{i}": ([(11 * i + 5 * j) % 500 + 3 for j in range(2 + 7 * i)], 3 + 2 * i) for i in range(5)}

@@ -1,0 +1,25 @@
+"""Runs a ModelRunner under a real Scheduler with greedy token-id prompts (no tokenizer)."""
+
+from __future__ import annotations
+
+from pagebus.bus.messages import AddRequest, SamplingParams
+from pagebus.scheduler.scheduler import Scheduler
+from pagebus.workers.runner import ModelRunner
+
+
+def drive_greedy(
+    runner: ModelRunner, prompts: dict[str, tuple[list[int], int]]
+) -> tuple[dict[str, list[int]], Scheduler]:
+    """prompts: request id -> (prompt ids, max_tokens). Returns each request's output ids and
+    the scheduler (for its stats) once every request has finished."""
+    sched = Scheduler(runner.cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"t")
+    for rid, (ids, n) in prompts.items():
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        assert not sched.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, params=params))
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch is not None
+        for u in sched.update(batch, runner.execute(batch)):
+            out[u.request_id].extend(u.new_token_ids)
+    return out, sched
