@@ -6,6 +6,7 @@ variables are read here and nowhere else.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Literal
 
@@ -18,6 +19,23 @@ AttentionBackend = Literal["auto", "triton", "torch"]
 LoadFormat = Literal["auto", "dummy"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
+SpecMethod = Literal["ngram", "draft_model"]
+# Running sequences above which a step does not speculate: measured by bench/spec_decode.py on
+# the default model (2-core CPU, n-gram k=4), where verifying k extra positions per sequence
+# stops paying for itself.
+DEFAULT_SPEC_DISABLE_BATCH_SIZE = 4
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """vLLM's `--speculative-config` JSON: an n-gram (prompt lookup) or a draft-model proposer."""
+
+    method: SpecMethod
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # n-gram: longest suffix matched against earlier tokens
+    prompt_lookup_min: int = 2  # n-gram: shortest
+    model: str | None = None  # draft_model: a .gguf or HF directory with the target's vocabulary
+    # A step speculates only while at most this many sequences run (vLLM's name).
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -44,6 +62,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # max_num_seqs are dropped. CUDA only.
     cuda_graph_sizes: list[int] = []
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # A JSON object (or dict) as vLLM spells it, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    speculative_config: SpeculativeConfig | None = None
 
 
 def check_engine_config(cfg: EngineConfig) -> EngineConfig:
@@ -65,7 +85,21 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
     need(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads must be >= 1")
     need(all(n > 0 for n in cfg.cuda_graph_sizes), "cuda_graph_sizes must be positive")
+    if cfg.speculative_config is not None:
+        _check_spec(cfg.speculative_config)
     return cfg
+
+
+def _check_spec(sc: SpeculativeConfig) -> None:
+    k = sc.num_speculative_tokens
+    need(1 <= k <= 16, f"speculative_config: num_speculative_tokens must be in 1..16, got {k}")
+    lo, hi = sc.prompt_lookup_min, sc.prompt_lookup_max
+    need(1 <= lo <= hi, f"speculative_config: need 1 <= prompt_lookup_min ({lo}) <= prompt_lookup_max ({hi})")
+    need(sc.disable_by_batch_size >= 1, "speculative_config: disable_by_batch_size must be >= 1")
+    need(
+        (sc.method == "draft_model") == (sc.model is not None),
+        'speculative_config: "model" is needed by method "draft_model" and by no other',
+    )
 
 
 def cuda_graph_batch_sizes(cfg: EngineConfig) -> list[int]:
@@ -86,6 +120,12 @@ def make_engine_config(**kwargs: object) -> EngineConfig:
     env_model = os.environ.get("PAGEBUS_MODEL")
     if kwargs.get("model") is None and env_model:
         kwargs["model"] = env_model
+    spec = kwargs.get("speculative_config")
+    if isinstance(spec, str):  # the CLI flag's JSON
+        try:
+            kwargs["speculative_config"] = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
     try:
         cfg = msgspec.convert(kwargs, EngineConfig)
     except msgspec.ValidationError as e:

@@ -116,6 +116,12 @@ class CachedSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     new_block_ids: list[BlockId]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # Speculative decoding: the n-gram drafts, which num_scheduled_tokens includes after the one
+    # real token (a draft model's worker proposes that many itself, and this stays empty).
+    spec_token_ids: list[int] = []
+    # new_block_ids go from this column on; the worker drops any it held there (the scheduler
+    # freed the blocks of rejected drafts). -1: append.
+    block_offset: int = -1
 
 
 class ExecuteBatch(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="exec", tag_field="t"):
@@ -144,7 +150,10 @@ class BatchResult(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="r
     step_id: int
     seq_ids: list[str]
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] = []  # parallel to seq_ids when any seq asked
+    logprobs: list[TokenLogprobs | None] = []  # parallel to token_ids when any seq asked
+    # Tokens each seq gained, parallel to seq_ids (speculation: accepted drafts + one sampled);
+    # token_ids and logprobs hold them in order. Empty: one each.
+    num_tokens: list[int] = []
 
 
 # ----------------------------------------------------------------- scheduler -> client
@@ -172,6 +181,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True, frozen=True):
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
     num_steps: int = 0  # cumulative
+    # speculative decoding, cumulative: verifications with >= 1 draft, drafts, accepted drafts
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_drafted_per_position: list[int] = []  # [i]: verifications that proposed a draft i
+    spec_accepted_per_position: list[int] = []  # [i]: ... whose draft i was accepted
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="step", tag_field="t"):

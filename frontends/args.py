@@ -8,6 +8,7 @@ import types
 import typing
 from typing import Any
 
+import msgspec
 from pagebus.bus.config import EngineConfig, make_engine_config
 
 _HELP = {
@@ -29,6 +30,8 @@ def _scalar_type(annotation: Any) -> tuple[Any, list[str] | None]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         return _scalar_type(inner[0])
+    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+        return str, None  # a JSON object, e.g. --speculative-config '{"method": "ngram", ...}'
     return annotation, None
 
 
