@@ -208,6 +208,11 @@ class _Loop:
             updates.extend(self.sched.update(batch, self._wait_result(batch)))
         if updates:
             self._send(updates)
+        elif batch is not None:
+            # A step with no token out (a prefill chunk): the stats alone tell the frontend that
+            # the engine moves, which its stall detection counts per step.
+            stats = StepOutput(updates=[], stats=self.sched.stats())
+            next(iter(self.outs.values())).send(stats, timeout_s=SEND_TIMEOUT_S)
 
     def _wait_result(self, batch: ExecuteBatch) -> BatchResult:
         poller = zmq.Poller()
