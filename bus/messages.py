@@ -14,7 +14,9 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final[int] = 2  # 2: typed Ready, StartupFailed, AbortRequest.samples
+# 2: typed Ready, StartupFailed, AbortRequest.samples; 3: speculative decoding (CachedSeq,
+# BatchResult and SchedulerStats fields)
+PROTOCOL_VERSION: Final[int] = 3
 
 # Ids are plain strings/ints on the wire; the aliases document intent.
 RequestId = str
