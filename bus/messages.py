@@ -10,7 +10,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -38,6 +38,19 @@ class ErrorKind(str, enum.Enum):
     INTERNAL = "internal"  # a bug or an unexpected failure (a 500)
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """One constraint on a request's output, as vLLM names it: exactly one field is set.
+
+    Checked and compiled by the frontend (`frontends.structured`), enforced by the worker's sampler.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, as an object or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (GBNF-style, root rule `root`)
+    json_object: bool = False  # any JSON object
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """Per-request sampling options, named as vLLM and OpenAI name them.
 
@@ -61,6 +74,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -255,10 +269,23 @@ class WorkerFailed(msgspec.Struct, kw_only=True, frozen=True, tag="wfail", tag_f
 
 
 # ----------------------------------------------------- frontend <-> tokenizer pool
+class ToolCallFunction(msgspec.Struct, kw_only=True, frozen=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    id: str
+    function: ToolCallFunction
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     role: str
     content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a `tool` message answers this call
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True, tag="gen", tag_field="t"):
@@ -274,6 +301,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True, tag="gen", tag_
     cache_salt: str | None = None
     arrival_time: float = 0.0
     echo: bool = False  # return the prompt text in the first delta (completions `echo`)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, frozen=True, tag="tok", tag_field="t"):
