@@ -64,6 +64,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # A JSON object (or dict) as vLLM spells it, e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: SpeculativeConfig | None = None
+    # Per-request bounds: n x prompts x (prompt + max_tokens) tokens at most (None: the KV cache's
+    # token capacity), and at most this many prompts in one completions request.
+    max_request_tokens: int | None = None
+    max_prompts_per_request: int = 256
 
 
 def check_engine_config(cfg: EngineConfig) -> EngineConfig:
@@ -85,6 +89,8 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
     need(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads must be >= 1")
     need(all(n > 0 for n in cfg.cuda_graph_sizes), "cuda_graph_sizes must be positive")
+    need(cfg.max_request_tokens is None or cfg.max_request_tokens > 0, "max_request_tokens must be positive")
+    need(cfg.max_prompts_per_request >= 1, "max_prompts_per_request must be >= 1")
     if cfg.speculative_config is not None:
         _check_spec(cfg.speculative_config)
     return cfg
@@ -99,6 +105,27 @@ def _check_spec(sc: SpeculativeConfig) -> None:
     need(
         (sc.method == "draft_model") == (sc.model is not None),
         'speculative_config: "model" is needed by method "draft_model" and by no other',
+    )
+
+
+MAX_N = 128  # OpenAI's cap on `n`
+
+
+class RequestLimits(msgspec.Struct, frozen=True):
+    """What one request may ask for; frontends check the cheap parts, the scheduler the rest."""
+
+    max_n: int  # min(MAX_N, max_num_seqs): one request never asks for more seats than exist
+    max_prompts: int
+    max_tokens: int  # n x prompts x (prompt + max_tokens)
+
+
+def request_limits(cfg: EngineConfig, num_kv_blocks: int) -> RequestLimits:
+    """The bounds in force; the token default is the KV cache's capacity (block 0 is reserved)."""
+    cache_tokens = max(num_kv_blocks - 1, 1) * cfg.block_size
+    return RequestLimits(
+        max_n=min(MAX_N, cfg.max_num_seqs),
+        max_prompts=cfg.max_prompts_per_request,
+        max_tokens=cfg.max_request_tokens or cache_tokens,
     )
 
 

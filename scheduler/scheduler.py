@@ -23,7 +23,7 @@ import bisect
 import operator
 import os
 
-from pagebus.bus.config import EngineConfig
+from pagebus.bus.config import EngineConfig, request_limits
 from pagebus.bus.messages import (
     AddRequest,
     BatchResult,
@@ -60,6 +60,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.block_pool = BlockPool(num_blocks)
+        self.max_request_tokens = request_limits(cfg, num_blocks).max_tokens
         # A random root per start: nobody can precompute prompts that collide in our cache.
         self.root = root_hash(os.urandom(32) if hash_seed is None else hash_seed)
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -178,6 +179,15 @@ class Scheduler:
                 f"{bs} tokens, but the KV cache has only {usable}; shorten the prompt, lower "
                 "max_tokens or give the KV cache more memory"
             )
+        # Counted in whole blocks, so a request within the default (the cache's capacity) fits
+        # the cache whole: nothing preempts it, which bounds how long it delays the others.
+        demand = n * need * bs
+        if demand > self.max_request_tokens:
+            return (
+                f"n x (prompt + max_tokens) is {n} x ({p} + {mt}) tokens ({demand} in whole KV blocks "
+                f"of {bs}), over max_request_tokens ({self.max_request_tokens}); lower n or max_tokens, "
+                "or shorten the prompt"
+            )
         return None
 
     # ------------------------------------------------------------------ the step
@@ -187,6 +197,8 @@ class Scheduler:
             raise RuntimeError(f"schedule() called before update() of step {self._in_flight.step_id}")
         budget = self.cfg.max_num_batched_tokens
         plan: list[tuple[Sequence, int]] = []
+        if self.cfg.scheduling_policy == "priority":
+            self._preempt_for_waiting_head(budget)
         preempted = False
         # Running sequences first: every one holds blocks, so finishing them frees memory.
         i = 0
@@ -218,6 +230,31 @@ class Scheduler:
             plan.append((seq, n))
             budget -= n
         return self._build_batch(plan) if plan else None
+
+    def _preempt_for_waiting_head(self, budget: int) -> None:
+        """Priority policy: a waiting head that outranks the running tail takes the tail's seat
+        or blocks (recompute), as in vLLM. Strict sort-key order keeps it from ping-ponging."""
+        while self.waiting and self.running and self.waiting[0].sort_key < self.running[-1].sort_key:
+            if len(self.running) < self.cfg.max_num_seqs and self._head_fits(budget):
+                return
+            self._preempt(self.running.pop())
+
+    def _head_fits(self, budget: int) -> bool:
+        """Whether this step's running chunks and the waiting head's first chunk fit the free
+        blocks (a head the budget cannot reach this step needs no blocks yet)."""
+        bs, head = self.block_size, self.waiting[0]
+        grow = 0
+        for seq in self.running:
+            n = seq.num_tokens - seq.num_computed_tokens
+            budget -= n
+            grow += max(0, -(-(seq.num_computed_tokens + n) // bs) - len(seq.blocks))
+        hits = self._cached_prefix(head)
+        num_hit = len(hits) * bs
+        n = min(head.num_tokens - num_hit, budget)
+        if n <= 0:
+            return True
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        return grow + -(-(num_hit + n) // bs) - len(hits) + revived <= self.block_pool.num_free
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give seq the blocks to hold n more tokens; False when the pool is short."""

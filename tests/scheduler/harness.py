@@ -39,6 +39,7 @@ def make_sched(
     num_blocks: int = 64, max_model_len: int = 256, eos: int | None = None, **cfg: object
 ) -> Scheduler:
     cfg.setdefault("block_size", 4)
+    cfg.setdefault("max_request_tokens", 1 << 30)  # these tests overcommit tiny caches on purpose
     return Scheduler(EngineConfig(**cfg), num_blocks, max_model_len, eos, hash_seed=b"test")  # type: ignore[arg-type]
 
 
