@@ -15,8 +15,8 @@ from typing import Any, Final
 import msgspec
 
 # 2: typed Ready, StartupFailed, AbortRequest.samples; 3: speculative decoding (CachedSeq,
-# BatchResult and SchedulerStats fields)
-PROTOCOL_VERSION: Final[int] = 3
+# BatchResult and SchedulerStats fields); 4: ModelFacts.startup_phases
+PROTOCOL_VERSION: Final[int] = 4
 
 # Ids are plain strings/ints on the wire; the aliases document intent.
 RequestId = str
@@ -234,6 +234,9 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True):
     dtype: str
     device: str
     num_threads: int
+    # Seconds of the worker's start-up by phase ("imports", "weights", "kv_cache", "warmup"),
+    # for the frontend's start-up report.
+    startup_phases: dict[str, float] = {}
 
 
 class Ready(msgspec.Struct, kw_only=True, frozen=True, tag="ready", tag_field="t"):
