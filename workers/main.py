@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -81,9 +82,11 @@ def worker_main(
 def _load(cfg: EngineConfig, model_path: str, rank: int, hs: Channel) -> ModelRunner:
     """Load the model and size the KV cache, then send Ready with what that found."""
     # Heavy import here, after Hello: the parent learns at once that the process started.
+    t0 = time.monotonic()
     import torch
     from pagebus.workers.runner import ModelRunner
 
+    imports = time.monotonic() - t0
     runner = ModelRunner(cfg, model_path, rank)  # sets torch threads from cfg.num_threads
     facts = ModelFacts(
         num_kv_blocks=runner.num_blocks,
@@ -93,6 +96,7 @@ def _load(cfg: EngineConfig, model_path: str, rank: int, hs: Channel) -> ModelRu
         dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device),
         num_threads=torch.get_num_threads(),
+        startup_phases={"imports": imports, **runner.startup_phases},
     )
     hs.send(Ready(role=ROLE, rank=rank, model=facts))
     return runner

@@ -133,6 +133,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(
             model_path, self.dtype, self.device, cfg.load_format, cfg.seed
         )
+        t_weights = time.monotonic()
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before if on_cuda else 0
         mc = self.model_config
         self.max_model_len = cfg.max_model_len or mc.max_position
@@ -160,6 +161,7 @@ class ModelRunner:
             profile = self._profile(weight_bytes, graph_sizes)
             torch.cuda.empty_cache()  # the stand-in cache and activations go back before measuring
             budget = profiled_kv_budget(cfg, self.device, profile)
+        t_profile = time.monotonic()
         self.num_blocks = num_kv_blocks(cfg, mc, self.dtype, self.device, budget)
         shape = (self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches: KVCaches = [
@@ -172,6 +174,7 @@ class ModelRunner:
             self.num_blocks, cfg.block_size, 2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / GiB,
             (self.num_blocks - 1) * cfg.block_size / self.max_model_len, self.max_model_len,
         )  # fmt: skip
+        t_kv = time.monotonic()
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
             self.graphs = DecodeGraphs(graph_sizes, mc.vocab_size, self.device, self._capture_stream)
@@ -180,6 +183,12 @@ class ModelRunner:
             "model ready in %.1fs: %s, %s on %s, %d KV blocks of %d tokens",
             time.monotonic() - t0, mc.family, self.dtype, self.device, self.num_blocks, cfg.block_size,
         )  # fmt: skip
+        # Seconds by phase for the server's start-up report; warm-up is the profile and graph capture.
+        self.startup_phases = {
+            "weights": t_weights - t0,
+            "kv_cache": t_kv - t_profile,
+            "warmup": (t_profile - t_weights) + (time.monotonic() - t_kv),
+        }
 
     # ------------------------------------------------------------------ start-up
     def _graph_sizes(self) -> list[int]:
