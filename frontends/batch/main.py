@@ -84,6 +84,8 @@ async def _run(args: argparse.Namespace, fd: int, out: BinaryIO, answered: set[A
             args.served_model_name or info.model_name,
             info.vocab_size,
             token_text_fn(info.model_path, cfg.tokenizer),
+            info.limits,
+            info.max_model_len,
         )
         loop = asyncio.get_running_loop()
         runner = Runner(

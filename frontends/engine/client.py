@@ -27,7 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from pagebus.bus.codec import Codec
-from pagebus.bus.config import EngineConfig
+from pagebus.bus.config import EngineConfig, request_limits
 from pagebus.bus.messages import (
     AbortRequest,
     DeltaBatch,
@@ -107,6 +107,8 @@ class AsyncEngineClient:
             vocab_size=ready.model.vocab_size,
             num_kv_blocks=ready.model.num_kv_blocks,
             startup_seconds=time.monotonic() - t0,
+            startup_phases=dict(ready.model.startup_phases),
+            limits=request_limits(cfg, ready.model.num_kv_blocks),
         )
         log.info("engine ready in %.1fs: %s", info.startup_seconds, info)
         self = cls(launcher, info, pull)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pagebus.bus.config import EngineConfig
+from pagebus.bus.config import EngineConfig, request_limits
 from pagebus.bus.messages import GenerateRequest, RequestDelta, SchedulerStats, SeqUpdate
 from pagebus.frontends.engine.interface import EngineInfo
 from pagebus.frontends.engine.text import TextProcessor
@@ -41,6 +41,7 @@ class InprocEngine:
             vocab_size=self.runner.model_config.vocab_size,
             num_kv_blocks=self.runner.num_blocks,
             startup_seconds=time.monotonic() - t0,
+            limits=request_limits(cfg, self.runner.num_blocks),
         )
         # Rejections and aborts happen between steps; they reach the caller with the next step.
         self.pending: list[SeqUpdate] = []

@@ -12,9 +12,10 @@ Both engines speak the same messages: a `GenerateRequest` in (text, token ids or
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagebus.bus.config import RequestLimits
 from pagebus.bus.messages import (
     GenerateRequest,
     RequestDelta,
@@ -36,6 +37,8 @@ class EngineInfo:
     vocab_size: int
     num_kv_blocks: int
     startup_seconds: float
+    startup_phases: dict[str, float] = field(default_factory=dict)  # worker 0's, by phase
+    limits: RequestLimits | None = None  # per-request bounds in force (bus.config.request_limits)
 
 
 class Engine(Protocol):

@@ -225,7 +225,10 @@ class App:
         await self._generate(req, H.prepare("chat", await req.body(), self._context()))
 
     def _context(self) -> H.Context:
-        return H.Context(self.settings.served_model_name, self.client.info.vocab_size, self.token_text)
+        info = self.client.info
+        return H.Context(
+            self.settings.served_model_name, info.vocab_size, self.token_text, info.limits, info.max_model_len
+        )
 
     def _check_alive(self) -> None:
         if self.client.is_dead or self.draining:

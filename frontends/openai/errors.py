@@ -89,16 +89,18 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-# msgspec says "Expected `int`, got `str` - at `$.max_tokens`" or "Object missing required field `messages`".
-_AT = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
-_MISSING = re.compile(r"required field `([A-Za-z_][A-Za-z0-9_]*)`")
+# msgspec says "Expected `int`, got `str` - at `$.max_tokens`" or "Object missing required field
+# `role` - at `$.messages[2]`"; `param` is the field's path as OpenAI writes it (`messages[2].role`).
+_AT = re.compile(r"at `\$\.([^`]+)`")
+_MISSING = re.compile(r"required field `([^`]+)`")
 
 
 def from_validation_error(e: msgspec.ValidationError) -> APIError:
-    """A 400 whose `param` names the offending top-level field when msgspec says which."""
+    """A 400 whose `param` is the path of the offending field when msgspec says which."""
     msg = str(e)
-    m = _AT.search(msg) or _MISSING.search(msg)
-    return bad_request(msg, m.group(1) if m else None)
+    at, missing = _AT.search(msg), _MISSING.search(msg)
+    parts = [m.group(1) for m in (at, missing) if m]
+    return bad_request(msg, ".".join(parts) if parts else None)
 
 
 def from_param_error(e: ParamError) -> APIError:

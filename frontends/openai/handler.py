@@ -15,10 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pagebus.bus.messages import GenerateRequest, RequestDelta
+from pagebus.bus.config import MAX_N, RequestLimits
+from pagebus.bus.messages import GenerateRequest, RequestDelta, SamplingParams
 from pagebus.frontends.engine.interface import AsyncEngine
 from pagebus.frontends.openai import protocol as P
-from pagebus.frontends.openai.errors import delta_error, engine_dead, is_engine_dead
+from pagebus.frontends.openai.errors import bad_request, delta_error, engine_dead, is_engine_dead
 from pagebus.frontends.openai.streaming import ResponseBuilder
 
 Kind = Literal["completion", "chat"]
@@ -31,6 +32,39 @@ class Context:
     served_model_name: str
     vocab_size: int
     token_text: Callable[[int], str] = str
+    limits: RequestLimits | None = None  # None: only OpenAI's cap on n
+    max_model_len: int | None = None
+
+
+def check_bounds(params: SamplingParams, prompts: list[str | list[int]], ctx: Context) -> None:
+    """Refuse a request over the per-request bounds before it reaches the engine.
+
+    The token bound counts what is known here: token-id prompts exactly, text prompts as at least
+    one token, and no max_tokens as max_model_len per prompt (exactly prompt + max_tokens). The
+    scheduler checks each prompt again once tokenized.
+    """
+    lim = ctx.limits
+    max_n = lim.max_n if lim is not None else MAX_N
+    if params.n > max_n:
+        why = "at most 128 and at most --max-num-seqs" if lim is not None else "OpenAI's limit"
+        raise bad_request(f"n is {params.n}, over the limit of {max_n} ({why})", "n")
+    if lim is None:
+        return
+    if len(prompts) > lim.max_prompts:
+        raise bad_request(
+            f"{len(prompts)} prompts in one request, over --max-prompts-per-request ({lim.max_prompts})",
+            "prompt",
+        )
+    mt, total = params.max_tokens, 0
+    for p in prompts:
+        least = len(p) if isinstance(p, list) else 1
+        total += params.n * (least + mt if mt is not None else max(ctx.max_model_len or 0, least + 1))
+    if total > lim.max_tokens:
+        raise bad_request(
+            f"n x prompts x (prompt + max_tokens) is at least {total} tokens, over "
+            f"--max-request-tokens ({lim.max_tokens}); lower n or max_tokens, or send fewer prompts",
+            "max_tokens",
+        )
 
 
 @dataclass
@@ -54,6 +88,7 @@ def _prepare_completion(body: P.CompletionRequest, ctx: Context) -> Prepared:
     P.check_model(body.model, ctx.served_model_name)
     params = P.sampling_params(body, ctx.vocab_size)
     prompts = P.prompts(body, ctx.vocab_size)
+    check_bounds(params, prompts, ctx)
     rid = f"cmpl-{uuid.uuid4().hex}"
     builder = ResponseBuilder(
         "completion",
@@ -84,6 +119,8 @@ def _prepare_completion(body: P.CompletionRequest, ctx: Context) -> Prepared:
 def _prepare_chat(body: P.ChatCompletionRequest, ctx: Context) -> Prepared:
     P.check_model(body.model, ctx.served_model_name)
     params = P.sampling_params(body, ctx.vocab_size)
+    messages = P.chat_messages(body.messages)
+    check_bounds(params, [""], ctx)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     builder = ResponseBuilder(
         "chat", rid, ctx.served_model_name, n=params.n, logprobs=params.logprobs, token_text=ctx.token_text
@@ -91,7 +128,7 @@ def _prepare_chat(body: P.ChatCompletionRequest, ctx: Context) -> Prepared:
     gen = GenerateRequest(
         request_id=rid,
         params=params,
-        messages=P.chat_messages(body.messages),
+        messages=messages,
         add_generation_prompt=body.add_generation_prompt,
         priority=body.priority,
         cache_salt=body.cache_salt,

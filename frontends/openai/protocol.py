@@ -71,6 +71,7 @@ class ChatMessageIn(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a `tool` message answers this call
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -181,21 +182,45 @@ def prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
     return out
 
 
-def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    """OpenAI messages -> bus ChatMessages; content parts must be text (no images here)."""
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Part types OpenAI defines that this server cannot take (text-only models): a clear 400, not "unknown".
+_UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "refusal")
+
+
+def check_messages(messages: list[ChatMessageIn]) -> None:
+    """OpenAI's rules for `messages`, strictly: a 400 whose `param` is the offending field's path."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    for i, m in enumerate(messages):
+        at = f"messages[{i}]"
+        if m.role not in ROLES:
+            raise bad_request(f"{at}.role must be one of {', '.join(ROLES)}, not {m.role!r}", f"{at}.role")
+        # An assistant message may carry tool calls instead of content; every other role needs content.
+        if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
+            raise bad_request(f"{at}.content is required for a {m.role} message", f"{at}.content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"{at}.tool_call_id is required for a tool message", f"{at}.tool_call_id")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            where = f"{at}.content[{j}]"
+            if part.type in _UNSUPPORTED_PARTS:
+                raise bad_request(
+                    f"{where}.type {part.type!r} is not supported by this model", f"{where}.type"
+                )
+            if part.type != "text":
+                raise bad_request(f"{where}.type must be 'text', not {part.type!r}", f"{where}.type")
+            if part.text is None:
+                raise bad_request(f"{where}.text is required for a text part", f"{where}.text")
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """OpenAI messages -> bus ChatMessages; content parts must be text (no images here)."""
+    check_messages(messages)
     out = []
     for m in messages:
         content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"content part type {part.type!r} is not supported", "messages")
-                texts.append(part.text)
-            content = "".join(texts)
-        out.append(ChatMessage(role=m.role, content=content, name=m.name))
+        if isinstance(content, list):  # text parts only, as check_messages made sure
+            content = "".join(part.text or "" for part in content)
+        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_call_id=m.tool_call_id))
     return out
 
 
