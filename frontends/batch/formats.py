@@ -186,7 +186,9 @@ def answered_keys(out_line: bytes) -> list[tuple[str, Any]]:
     if isinstance(status, int) and status >= 500:
         return []
     keys: list[tuple[str, Any]] = []
-    if "custom_id" in obj:
+    if isinstance(err, dict) and err.get("code") == ErrorCode.DUPLICATE_CUSTOM_ID:
+        pass  # answers its own line only: the custom_id belongs to the first line that used it
+    elif "custom_id" in obj:
         if obj["custom_id"] is not None:
             keys.append(("custom_id", obj["custom_id"]))
     elif obj.get("id") is not None:

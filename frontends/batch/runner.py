@@ -38,6 +38,7 @@ class Summary:
     ok: int = 0
     failed: int = 0
     skipped: int = 0  # already answered (--resume)
+    duplicates: int = 0  # lines whose custom_id an earlier line took (also counted as failed)
     prompt_tokens: int = 0
     output_tokens: int = 0
     wall_s: float = 0.0
@@ -49,7 +50,8 @@ class Summary:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def line(self) -> str:
-        extra = f", {self.skipped} already answered" if self.skipped else ""
+        extra = f", {self.duplicates} with a duplicate custom_id" if self.duplicates else ""
+        extra += f", {self.skipped} already answered" if self.skipped else ""
         state = " (interrupted)" if self.interrupted else " (the engine died)" if self.engine_dead else ""
         return (
             f"pagebus run-batch: {self.ok} ok, {self.failed} failed{extra}; "
@@ -133,6 +135,7 @@ class Runner:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stop = asyncio.Event()
         self.summary = Summary()
+        self.first_line: dict[str, int] = {}  # custom_id -> the line that took it
         self._t0 = time.monotonic()
         self._last_postfix = 0.0
 
@@ -160,7 +163,9 @@ class Runner:
             line = parse_line(item[1], item[0], form)  # type: ignore[arg-type]
             if line.key is not None:
                 form = line.form  # unrecognisable lines are answered in the form of their neighbours
-            if line.resume_key in self.answered:
+            self._check_duplicate(line)
+            # A line an earlier run answered, by its key or (errors) by its line number.
+            if line.resume_key in self.answered or ("line", line.lineno) in self.answered:
                 self.summary.skipped += 1
                 self.window.release()
                 if self.progress is not None:
@@ -173,9 +178,21 @@ class Runner:
         self.summary.wall_s = time.monotonic() - self._t0
         return self.summary
 
+    def _check_duplicate(self, line: Line) -> None:
+        """A batch line reusing an earlier line's custom_id gets an error line; the first wins."""
+        if line.form != "batch" or not isinstance(line.key, str):
+            return
+        first = self.first_line.setdefault(line.key, line.lineno)
+        if first != line.lineno and line.error is None:
+            line.error = (
+                ErrorCode.DUPLICATE_CUSTOM_ID,
+                f"custom_id {line.key!r} was already used by line {first}; the first one wins",
+            )
+
     def _start(self, seq: int, line: Line) -> None:
         if line.error is not None:
-            return self._done(seq, line_failure(line, *line.error))
+            duplicate = line.error[0] is ErrorCode.DUPLICATE_CUSTOM_ID
+            return self._done(seq, line_failure(line, *line.error), duplicate)
         if line.api_error is not None:
             return self._done(seq, api_failure(line, line.api_error))
         task = asyncio.create_task(self._process(seq, line))
@@ -202,8 +219,9 @@ class Runner:
             outcome = api_failure(line, APIError(500, "internal server error", code=ErrorCode.INTERNAL_ERROR))
         self._done(seq, outcome)
 
-    def _done(self, seq: int, outcome: Outcome) -> None:
+    def _done(self, seq: int, outcome: Outcome, duplicate: bool = False) -> None:
         s = self.summary
+        s.duplicates += duplicate
         if outcome.ok:
             s.ok += 1
         else:

@@ -41,6 +41,7 @@ class ErrorCode(str, enum.Enum):
     INVALID_METHOD = "invalid_method"
     INVALID_URL = "invalid_url"
     INVALID_ID = "invalid_id"
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"  # a later line reusing a custom_id; the first wins
     CANCELLED = "cancelled"
 
 
