@@ -31,12 +31,12 @@ from typing import Any
 import msgspec
 import zmq
 from pagebus.bus.codec import Codec
+from pagebus.bus.logs import LogFormat, configure_logging, current_format
 from pagebus.bus.messages import PROTOCOL_VERSION, Handshake, Hello, Ready, StartupFailed
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-LOG_FORMAT = "%(asctime)s %(levelname)s [{tag} pid=%(process)d] %(name)s: %(message)s"
 
 
 class StartupError(RuntimeError):
@@ -75,7 +75,7 @@ def spawn(
         rank=rank,
         name=name,
         target=_child_main,
-        args=(target, role, rank, os.getpid(), level, tuple(args)),
+        args=(target, role, rank, os.getpid(), level, current_format(), tuple(args)),
         daemon=False,  # daemonic processes may not have children; the scheduler spawns workers
     )
     p.start()
@@ -83,14 +83,20 @@ def spawn(
 
 
 def _child_main(
-    target: Callable[..., object], role: str, rank: int, parent_pid: int, level: int, args: tuple[Any, ...]
+    target: Callable[..., object],
+    role: str,
+    rank: int,
+    parent_pid: int,
+    level: int,
+    log_format: LogFormat,
+    args: tuple[Any, ...],
 ) -> None:
     tag = f"{role}-{rank}"
     install_parent_death_protection(parent_pid)
     # Ctrl+C in a terminal signals the whole process group; only the launcher may react, so
     # that it can drain in-flight work through Shutdown messages instead of losing it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=level, format=LOG_FORMAT.format(tag=tag), force=True)
+    configure_logging(level, log_format, tag)
     with contextlib.suppress(ImportError):  # a missing title is cosmetic
         import setproctitle
 

@@ -1,16 +1,17 @@
-"""The `pagebus` command: `generate`, `serve` and `run-batch`."""
+"""The `pagebus` command: `generate`, `serve`, `systemd-unit` and `run-batch`."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
 from pagebus.bus.config import EngineConfig
+from pagebus.bus.logs import configure_logging
 from pagebus.bus.messages import SamplingParams
 from pagebus.frontends.args import add_engine_args, engine_config_from_args
+from pagebus.frontends.service.config import render, subparser
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +70,17 @@ def _cfg_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return msgspec.structs.asdict(cfg)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Serve options also come from --config and PAGEBUS_* (flag > env > file > default)."""
+    args = parser.parse_args(argv)
+    if args.command not in ("serve", "systemd-unit"):
+        return args
+    from pagebus.frontends.service.config import apply
+
+    return apply(parser, argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagebus", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts (arguments, or lines of stdin) and print them")
@@ -77,12 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--log-level", default="WARNING")
     add_engine_args(gen)
     _add_sampling_args(gen)
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    srv.add_argument("--log-level", default="INFO")
-    add_engine_args(srv)
     from pagebus.frontends.http.options import add_serve_args
+    from pagebus.frontends.service.unit import add_unit_args
 
-    add_serve_args(srv)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    unit = sub.add_parser("systemd-unit", help="print a systemd unit that serves with the given serve flags")
+    for p in (srv, unit):
+        p.add_argument("--log-level", default="INFO")
+        add_engine_args(p)
+        add_serve_args(p)
+    add_unit_args(unit)
     bat = sub.add_parser(
         "run-batch", help="answer JSONL requests (OpenAI Batch or short form) from a file or stdin"
     )
@@ -91,19 +106,35 @@ def main(argv: list[str] | None = None) -> int:
     from pagebus.frontends.batch.main import add_batch_args
 
     add_batch_args(bat)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
     try:
+        args = _parse(parser, argv)
+    except ValueError as e:  # a bad config file or PAGEBUS_* variable
+        print(f"pagebus: error: {e}", file=sys.stderr)
+        return 2
+    tag = "http-0" if args.command == "serve" else "frontend-0"
+    configure_logging(args.log_level.upper(), getattr(args, "log_format", "text"), tag)
+    try:
+        if args.command in ("serve", "systemd-unit") and args.print_config:
+            print(render(subparser(parser, args), args, _cfg_kwargs(EngineConfig())), end="")
+            return 0
+        if args.command == "systemd-unit":
+            from pagebus.frontends.service.unit import render_unit, serve_argv
+
+            print(render_unit(args, serve_argv(argv[1:])), end="")
+            return 0
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
             from pagebus.frontends.http.server import main as serve_main
 
-            return serve_main(args)
+            # SIGHUP re-reads --config and the flags with a fresh parser (no stale file defaults).
+            return serve_main(args, lambda: _parse(build_parser(), argv))
         if args.command == "run-batch":
             from pagebus.frontends.batch.main import main as batch_main
 

@@ -8,6 +8,7 @@ cancelled, which closes the engine client's delta iterator and so aborts the req
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from pagebus.bus.logs import request_id_var
 from pagebus.bus.messages import (
+    GenerateRequest,
+    SamplingParams,
     TokenizeRequest,
 )
 from pagebus.frontends.engine.interface import AsyncEngine
@@ -52,6 +56,8 @@ class Settings:
     metrics_public: bool = False
     allowed_origins: tuple[str, ...] = ()
     version: str = "0.1.0"
+    log_requests: bool = False  # prompts and outputs appear in the log only when set
+    health_probe_timeout: float = 30.0  # seconds for /health?probe=generate's one token
 
 
 class _Admission:
@@ -75,6 +81,10 @@ class App:
         self.metrics = Metrics(lambda: client.latest_stats)
         self.num_waiting = 0
         self.draining = False  # set by the server on SIGTERM: /health turns 503, new work is refused
+        # Set by the server: why the engine counts as stalled (None: it is not), and whether
+        # requests are in flight (a busy, progressing engine needs no health probe).
+        self.stall_reason: Callable[[], str | None] = lambda: None
+        self.is_busy: Callable[[], bool] = lambda: False
         Route = Callable[[Request], Coroutine[Any, Any, None]]
         self.routes: dict[str, dict[str, Route]] = {
             "/v1/completions": {"POST": self.completions},
@@ -157,8 +167,50 @@ class App:
 
     # ------------------------------------------------------------------ simple routes
     async def health(self, req: Request) -> None:
-        ok = self.client.is_ready and not self.client.is_dead and not self.draining
-        await req.respond(200 if ok else 503, b"")
+        """200 while the engine serves; 503 with {"status", "reason"} when it does not. With
+        `?probe=generate`, an idle engine also runs one token through the whole path (SGLang's
+        /health_generate); a busy one that makes progress has just proved it."""
+        reason = self._unhealthy()
+        probe = b"probe=generate" in req.scope.get("query_string", b"").split(b"&")
+        if reason is None and probe and not self.is_busy():
+            reason = await self._probe()
+        if reason is not None:
+            return await req.respond(
+                503, _json.encode({"status": "unhealthy", "reason": reason}), JSON_HEADERS
+            )
+        await req.respond(200, b"")
+
+    def _unhealthy(self) -> str | None:
+        if self.draining:
+            return "the server is draining (shutting down)"
+        if self.client.is_dead:
+            return f"the engine stopped: {getattr(self.client, 'dead_reason', None)}"
+        if not self.client.is_ready:
+            return "the engine is not ready"
+        return self.stall_reason()
+
+    async def _probe(self) -> str | None:
+        gen = GenerateRequest(
+            request_id=f"health-{uuid.uuid4().hex}",
+            prompt="Hi",
+            params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+        timeout = self.settings.health_probe_timeout
+
+        async def one_token() -> str | None:
+            async for delta in self.client.generate(gen):
+                if delta.error:
+                    return f"health probe failed: {delta.error}"
+                if delta.finished:
+                    return None
+            return "health probe ended without a token"
+
+        try:
+            return await asyncio.wait_for(one_token(), timeout)
+        except asyncio.TimeoutError:
+            return f"health probe: no token within {timeout:g}s"
+        except Exception as e:
+            return f"health probe failed: {type(e).__name__}: {e}"
 
     async def version(self, req: Request) -> None:
         await req.json({"version": self.settings.version})
@@ -249,10 +301,50 @@ class App:
 
     async def _generate(self, req: Request, prep: H.Prepared) -> None:
         admission = self._admit()
+        token = request_id_var.set(prep.builder.id)  # every log line of this request carries its id
+        started = time.monotonic()
+        self._log_start(prep)
         try:
             await until_disconnect(self._produce(req, prep, admission), req.receive)
         finally:
             admission.release()
+            self._log_end(prep, time.monotonic() - started)
+            request_id_var.reset(token)
+
+    def _log_start(self, prep: H.Prepared) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        b = prep.body
+        extra: dict[str, Any] = {"kind": prep.kind, "stream": b.stream, "max_tokens": b.max_tokens}
+        if self.settings.log_requests:  # request contents only on request
+            extra["prompts"] = [
+                g.prompt if g.prompt is not None else msgspec.to_builtins(g.messages or g.prompt_token_ids)
+                for g in prep.gens
+            ]
+        shown = f", prompts {extra['prompts']!r}" if "prompts" in extra else ""
+        logger.info(
+            "request received: %s, %d prompt(s), stream %s%s", prep.kind, len(prep.gens), b.stream, shown,
+            extra=extra,
+        )  # fmt: skip
+
+    def _log_end(self, prep: H.Prepared, seconds: float) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        bld = prep.builder
+        reasons = [c.finish_reason for c in bld.choices]
+        extra: dict[str, Any] = {
+            "finish_reasons": reasons,
+            "prompt_tokens": sum(p.num_tokens for p in bld.prompts),
+            "completion_tokens": sum(c.num_tokens for c in bld.choices),
+            "seconds": round(seconds, 4),
+        }
+        if self.settings.log_requests:
+            extra["outputs"] = ["".join(c.text) for c in bld.choices]
+        shown = f", outputs {extra['outputs']!r}" if "outputs" in extra else ""
+        logger.info(
+            "request finished: %s, %d prompt + %d completion tokens in %.3fs%s",
+            reasons, extra["prompt_tokens"], extra["completion_tokens"], seconds, shown, extra=extra,
+        )  # fmt: skip
 
     async def _produce(self, req: Request, prep: H.Prepared, admission: _Admission) -> None:
         builder, body = prep.builder, prep.body

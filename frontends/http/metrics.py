@@ -46,6 +46,9 @@ class _StatsCollector(Collector):
             "pagebus:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits
         )
         yield CounterMetricFamily("pagebus:num_preemptions", "Requests preempted", s.num_preemptions)
+        yield CounterMetricFamily(
+            "pagebus:engine_steps", "Engine steps finished (what stall detection counts)", s.num_steps
+        )
 
 
 class Metrics:

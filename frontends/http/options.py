@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -25,10 +24,36 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-workers", type=int, default=1)
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work")
     g.add_argument("--startup-timeout", type=float, default=600.0)
+    d = p.add_argument_group("daemon")
+    d.add_argument(
+        "--config", default=None, help="TOML file of options (keys: flag names); flags and env win"
+    )
+    d.add_argument(
+        "--print-config", action="store_true", help="print the merged options (secrets masked), exit"
+    )
+    d.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
+    d.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off: never logged)")
+    d.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds with requests in flight but no engine step before /health turns 503 (0: off)",
+    )
+    d.add_argument(
+        "--stats-interval", type=float, default=10.0, help="seconds between stats lines while busy"
+    )
+    d.add_argument(
+        "--health-probe-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a one-token /health?probe=generate generation may take",
+    )
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
-    """--api-key, else --api-key-file, else $PAGEBUS_API_KEY (read here, in the CLI layer)."""
+    """--api-key (or $PAGEBUS_API_KEY), else the contents of --api-key-file, stripped."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("give one of api_key and api_key_file, not both")
     if args.api_key:
         return str(args.api_key)
     if args.api_key_file:
@@ -37,4 +62,4 @@ def api_key_from(args: argparse.Namespace) -> str | None:
         if not key:
             raise ValueError(f"API key file {args.api_key_file!r} is empty")
         return key
-    return os.environ.get("PAGEBUS_API_KEY") or None
+    return None
