@@ -38,6 +38,7 @@ from pagebus.bus.messages import (
 )
 from pagebus.scheduler.block_pool import BlockPool, KVBlock
 from pagebus.scheduler.hashing import root_hash
+from pagebus.scheduler.ngram import propose_ngram
 from pagebus.scheduler.sequence import SeqStatus, Sequence
 
 _sort_key = operator.attrgetter("sort_key")
@@ -74,6 +75,13 @@ class Scheduler:
         self._num_preemptions = 0
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
+        self.spec = cfg.speculative_config
+        k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self._spec_num_drafts = 0
+        self._spec_num_draft_tokens = 0
+        self._spec_num_accepted = 0
+        self._spec_drafted = [0] * k  # per draft position
+        self._spec_accepted = [0] * k
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, req: AddRequest) -> list[SeqUpdate]:
@@ -200,11 +208,15 @@ class Scheduler:
         if self.cfg.scheduling_policy == "priority":
             self._preempt_for_waiting_head(budget)
         preempted = False
+        # Speculation pays while a step is memory-bound: a larger batch turns it off (see config).
+        spec_on = self.spec is not None and len(self.running) <= self.spec.disable_by_batch_size
         # Running sequences first: every one holds blocks, so finishing them frees memory.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if spec_on and n == 1:
+                n += self._speculate(seq, budget)
             while not self._grow(seq, n):
                 victim = self.running.pop()  # the tail: lowest priority, latest arrival
                 self._preempt(victim)
@@ -256,6 +268,29 @@ class Scheduler:
         revived = sum(1 for b in hits if b.ref_count == 0)
         return grow + -(-(num_hit + n) // bs) - len(hits) + revived <= self.block_pool.num_free
 
+    def _speculate(self, seq: Sequence, budget: int) -> int:
+        """Drafts for a decoding seq: sets its spec fields and returns how many, after reserving
+        their KV slots (none when the pool is short: speculation never preempts). At most
+        max_tokens - 1 generated tokens ahead, so an all-accepted run plus its bonus token never
+        overshoots max_tokens or max_model_len."""
+        assert self.spec is not None
+        k = min(
+            self.spec.num_speculative_tokens,
+            seq.max_tokens - seq.num_generated - 1,
+            self.max_model_len - seq.num_tokens - 1,
+            budget - 1,
+        )
+        if k <= 0:
+            return 0
+        drafts: list[int] = []
+        if self.spec.method == "ngram":
+            drafts = propose_ngram(seq.token_ids, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+            k = len(drafts)
+        if k == 0 or not self._grow(seq, 1 + k):
+            return 0
+        seq.num_spec_tokens, seq.spec_token_ids = k, drafts
+        return k
+
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give seq the blocks to hold n more tokens; False when the pool is short."""
         need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.blocks)
@@ -302,7 +337,10 @@ class Scheduler:
         """Register every block this step fills. The worker writes a layer's KV for the whole
         batch before attending, so a sequence scheduled later in this same step may hit them:
         that is how the n samples of a request share their prompt."""
-        full = (seq.num_computed_tokens + n) // self.block_size
+        # Drafts are not tokens yet: a block holding one is registered once it is accepted.
+        self._register_full(seq, (seq.num_computed_tokens + n - seq.num_spec_tokens) // self.block_size)
+
+    def _register_full(self, seq: Sequence, full: int) -> None:
         for i in range(seq.num_registered_blocks, full):
             self.block_pool.register(seq.blocks[i], seq.block_hash(i), seq.block_key(i))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
@@ -337,7 +375,9 @@ class Scheduler:
                 seq.known_to_worker = True
             else:
                 new_ids = [b.block_id for b in seq.blocks[seq.num_sent_blocks :]]
-                cached_seqs.append(CachedSeq(seq.seq_id, new_ids, seq.num_computed_tokens, n))
+                offset = seq.num_sent_blocks
+                spec = seq.spec_token_ids
+                cached_seqs.append(CachedSeq(seq.seq_id, new_ids, seq.num_computed_tokens, n, spec, offset))
             seq.num_sent_blocks = len(seq.blocks)
         self._num_steps += 1
         batch = ExecuteBatch(
@@ -358,7 +398,12 @@ class Scheduler:
         if result.step_id != batch.step_id:
             raise RuntimeError(f"result of step {result.step_id} given for step {batch.step_id}")
         self._in_flight = None
-        sampled = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+        counts = result.num_tokens or [1] * len(result.seq_ids)
+        sampled: dict[str, tuple[int, int]] = {}  # seq id -> (first token, token count)
+        start = 0
+        for seq_id, count in zip(result.seq_ids, counts, strict=True):
+            sampled[seq_id] = (start, count)
+            start += count
         updates = []
         any_finished = False
         scheduled: list[NewSeq | CachedSeq] = [*batch.new_seqs, *batch.cached_seqs]
@@ -366,22 +411,65 @@ class Scheduler:
             seq = self.live.get(s.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += s.num_scheduled_tokens
+            num_spec, seq.num_spec_tokens, seq.spec_token_ids = seq.num_spec_tokens, 0, []
+            seq.num_computed_tokens += s.num_scheduled_tokens - num_spec
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
-            i = sampled.get(s.seq_id)
-            if i is None:
+            at = sampled.get(s.seq_id)
+            if at is None:
                 raise RuntimeError(f"worker sampled no token for {s.seq_id} in step {batch.step_id}")
-            lp = result.logprobs[i] if result.logprobs else None
-            updates.append(self._append_token(seq, result.token_ids[i], lp))
+            first, count = at
+            if not 1 <= count <= num_spec + 1:
+                raise RuntimeError(f"worker returned {count} tokens for {s.seq_id} with {num_spec} drafts")
+            tokens = result.token_ids[first : first + count]
+            lps: list[TokenLogprobs | None] = [None] * count
+            if result.logprobs:
+                lps = result.logprobs[first : first + count]
+            if num_spec:
+                self._count_spec(num_spec, count - 1)
+            updates.append(self._append_tokens(seq, tokens, lps))
+            if num_spec and updates[-1].finish_reason is None:
+                self._settle_drafts(seq, num_spec, count - 1)
             any_finished |= updates[-1].finish_reason is not None
         if any_finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return updates
 
-    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SeqUpdate:
-        seq.token_ids.append(token)
-        reason, stop_token_id = self._check_stop(seq, token)
+    def _count_spec(self, num_spec: int, accepted: int) -> None:
+        self._spec_num_drafts += 1
+        self._spec_num_draft_tokens += num_spec
+        self._spec_num_accepted += accepted
+        for j in range(num_spec):
+            self._spec_drafted[j] += 1
+        for j in range(accepted):
+            self._spec_accepted[j] += 1
+
+    def _settle_drafts(self, seq: Sequence, num_spec: int, accepted: int) -> None:
+        """After a verification: free the blocks only rejected drafts reached and register the
+        blocks accepted tokens filled. A draft model's cache lacks the last draft's KV when all
+        were accepted (it never ran that position), so that token waits one step to be shared."""
+        bs = self.block_size
+        keep = -(-seq.num_computed_tokens // bs)
+        if len(seq.blocks) > keep:
+            self.block_pool.free(reversed(seq.blocks[keep:]))
+            del seq.blocks[keep:]
+            seq.num_sent_blocks = min(seq.num_sent_blocks, keep)
+        lag = int(self.spec is not None and self.spec.method == "draft_model" and accepted == num_spec)
+        self._register_full(seq, (seq.num_computed_tokens - lag) // bs)
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprobs | None]) -> SeqUpdate:
+        """Append a step's tokens (accepted drafts, then the sampled one) up to the first that
+        finishes seq; the KV of every one but the last is computed already."""
+        reason, stop_token_id = None, None
+        kept = 0
+        for token in tokens:
+            if kept:
+                seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+            kept += 1
+            reason, stop_token_id = self._check_stop(seq, token)
+            if reason is not None:
+                break
         if reason is not None:
             self._release(seq)
             samples = self.requests[seq.request_id]
@@ -391,10 +479,10 @@ class Scheduler:
         return SeqUpdate(
             request_id=seq.request_id,
             sample_index=seq.sample_index,
-            new_token_ids=[token],
+            new_token_ids=tokens[:kept],
             finish_reason=reason,
             stop_token_id=stop_token_id,
-            logprobs=[lp] if lp is not None else [],
+            logprobs=[lp for lp in lps[:kept] if lp is not None],
             num_prompt_tokens=seq.prompt_len,
             num_cached_tokens=seq.num_cached_tokens or 0,
         )
@@ -440,4 +528,9 @@ class Scheduler:
             prefix_cache_hits=self._num_hit_tokens,
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
+            spec_num_drafts=self._spec_num_drafts,
+            spec_num_draft_tokens=self._spec_num_draft_tokens,
+            spec_num_accepted_tokens=self._spec_num_accepted,
+            spec_drafted_per_position=list(self._spec_drafted),
+            spec_accepted_per_position=list(self._spec_accepted),
         )

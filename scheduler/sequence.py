@@ -37,6 +37,7 @@ class Sequence:
         "num_computed_tokens",
         "num_registered_blocks",
         "num_sent_blocks",
+        "num_spec_tokens",
         "params",
         "prompt_len",
         "request_id",
@@ -44,6 +45,7 @@ class Sequence:
         "sample_index",
         "seq_id",
         "sort_key",
+        "spec_token_ids",
         "status",
         "token_ids",
     )
@@ -74,6 +76,10 @@ class Sequence:
         self.num_registered_blocks = 0
         self.known_to_worker = False  # the worker holds our state: send deltas, drop when done
         self.num_sent_blocks = 0  # block ids the worker already has
+        # Drafts scheduled this step after the one real token (n-gram ids; a draft model's
+        # worker proposes its own, so only the count); reset by the step's update.
+        self.num_spec_tokens = 0
+        self.spec_token_ids: list[int] = []
         # Hash chain state; hashes depend only on tokens, so they survive preemption.
         self.block_hashes: list[BlockHash] = []
         self.root = root
@@ -110,6 +116,8 @@ class Sequence:
         self.num_registered_blocks = 0
         self.known_to_worker = False
         self.num_sent_blocks = 0
+        self.num_spec_tokens = 0
+        self.spec_token_ids = []
 
     def __repr__(self) -> str:
         return (

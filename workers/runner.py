@@ -48,6 +48,8 @@ from pagebus.workers.model_config import ModelConfig
 from pagebus.workers.models import model_class
 from pagebus.workers.ops import select_ops
 from pagebus.workers.sampling import Sampler, SampleRow
+from pagebus.workers.sampling import _plain_greedy as _plain_greedy_row
+from pagebus.workers.spec.verify import accepted_tokens, verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class ModelRunner:
         self.sampler = Sampler(cfg.seed)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else None
         self.seqs: dict[str, _Seq] = {}
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts per verifying seq
         self.block_size = cfg.block_size
         graph_sizes = self._graph_sizes()
         max_tokens = max(cfg.max_num_batched_tokens, *graph_sizes, 1)
@@ -301,16 +304,27 @@ class ModelRunner:
                 list(ns.token_ids), ns.prompt_len, ns.params, list(ns.block_ids), ns.sample_index, row
             )
             scheduled.append((ns.seq_id, ns.num_computed_tokens, ns.num_scheduled_tokens))
+        self._drafts = {}
         for cs in batch.cached_seqs:
             s = self.seqs[cs.seq_id]
+            if 0 <= cs.block_offset < len(s.block_ids):  # blocks of rejected drafts, freed
+                del s.block_ids[cs.block_offset :]
             if cs.new_block_ids:
                 self.inputs.add_blocks(s.row, len(s.block_ids), cs.new_block_ids)
                 s.block_ids.extend(cs.new_block_ids)
+            num_drafts = cs.num_scheduled_tokens - (len(s.token_ids) - cs.num_computed_tokens)
+            if num_drafts > 0:
+                self._drafts[cs.seq_id] = list(cs.spec_token_ids)
             scheduled.append((cs.seq_id, cs.num_computed_tokens, cs.num_scheduled_tokens))
         if not scheduled:
             return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
+        if self._drafts:
+            for seq_id, drafts in self._drafts.items():
+                self.seqs[seq_id].token_ids.extend(drafts)  # verified below, then cut back
         step = self._prepare(scheduled)
         logits = self._run(step)
+        if self._drafts:
+            return self._verify(batch.step_id, logits, step.sampling)
         tokens, logprobs = self._sample(logits, step.sampling)
         for seq_id, tok in zip(step.sampling, tokens, strict=True):
             self.seqs[seq_id].token_ids.append(tok)
@@ -350,7 +364,8 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             max_q = max(max_q, n)
             if end == len(s.token_ids):  # caught up: this step yields its next token
-                logits_rows.append(starts[-1] - 1)
+                k = len(self._drafts.get(seq_id, ()))  # and verifies its drafts: one row each
+                logits_rows.extend(range(starts[-1] - 1 - k, starts[-1]))
                 sampling.append(seq_id)
         num_seqs = len(rows)
         num_decodes = sum(1 for a, b in itertools.pairwise(starts) if b - a == 1)
@@ -428,6 +443,44 @@ class ModelRunner:
         if all(_plain_greedy(self.seqs[i]) for i in sampling):
             return self._greedy_ids(logits), [None] * len(sampling)
         return self.sampler(logits, [self._sample_row(i) for i in sampling])
+
+    def _verify(self, step_id: int, logits: torch.Tensor, sampling: list[str]) -> BatchResult:
+        """Sample every verified position (1 + k logits rows per drafting seq) and keep each
+        seq's accepted drafts plus one sampled token (see spec/verify.py)."""
+        rows: list[SampleRow] = []
+        for seq_id in sampling:
+            s, drafts = self.seqs[seq_id], self._drafts.get(seq_id, [])
+            base = self._sample_row(seq_id)
+            base.output_ids = base.output_ids[: len(base.output_ids) - len(drafts)]
+            rows += verify_rows(
+                s.params, base.prompt_ids, base.output_ids, drafts, s.sample_index, base.stop_ids
+            )
+        if all(_plain_greedy_row(r) for r in rows):
+            sampled, lps = self._greedy_ids(logits), [None] * len(rows)
+        else:
+            sampled, lps = self.sampler(logits, rows)
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        counts: list[int] = []
+        at = 0
+        for seq_id in sampling:
+            s, drafts = self.seqs[seq_id], self._drafts.get(seq_id, [])
+            k = len(drafts)
+            out = accepted_tokens(sampled[at : at + k + 1], drafts)
+            del s.token_ids[len(s.token_ids) - k :]
+            s.token_ids.extend(out)
+            token_ids += out
+            logprobs += lps[at : at + len(out)]
+            counts.append(len(out))
+            at += k + 1
+        any_lp = any(lp is not None for lp in logprobs)
+        return BatchResult(
+            step_id=step_id,
+            seq_ids=sampling,
+            token_ids=token_ids,
+            logprobs=logprobs if any_lp else [],
+            num_tokens=counts,
+        )
 
     def _greedy_ids(self, logits: torch.Tensor) -> list[int]:
         """Argmax on the device; only the ids come back (through pinned memory on CUDA, waiting
