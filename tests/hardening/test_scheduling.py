@@ -118,3 +118,33 @@ def test_equal_priority_waits_instead_of_preempting() -> None:
     sched.add_request(make_req("b", [3, 4], max_tokens=2, priority=3, arrival_time=2.0))
     run_to_end(sched, worker, out)
     assert sched.stats().num_preemptions == 0
+
+
+def test_tenants_with_different_cache_salts_never_share_a_block_id() -> None:
+    # Three tenants send the same prompt, concurrently and one after another; a block id is only
+    # ever shared between requests of the same salt.
+    sched = make_sched(num_blocks=64)
+    worker, out = start(sched)
+    prompt = [(5 * j) % 40 + 3 for j in range(17)]  # 4 full blocks of 4, and one token
+    salts = {"a1": "alice", "b1": "bob", "n1": None, "a2": "alice", "b2": "bob", "n2": None}
+    owners: dict[int, set[str | None]] = {}
+    for wave in (("a1", "b1", "n1"), ("a2", "b2", "n2")):
+        for rid in wave:
+            sched.add_request(make_req(rid, prompt, max_tokens=3, cache_salt=salts[rid]))
+        while sched.has_unfinished():
+            batch = step(sched, worker, out)
+            assert batch is not None
+            for s in batch.new_seqs:
+                for block in s.block_ids:
+                    owners.setdefault(block, set()).add(salts[s.seq_id.split("#")[0]])
+    assert all(len(tenants) == 1 for tenants in owners.values()), owners
+    hits = {u.request_id: u.num_cached_tokens for u in out.updates}
+    assert hits == {
+        "a1": 0,
+        "b1": 0,
+        "n1": 0,
+        "a2": 16,
+        "b2": 16,
+        "n2": 16,
+    }  # unsalted share among themselves
+    assert_pool_whole(sched)
