@@ -280,7 +280,8 @@ class Scheduler:
             self.max_model_len - seq.num_tokens - 1,
             budget - 1,
         )
-        if k <= 0:
+        # A grammar's state follows one token at a time: constrained seqs do not speculate.
+        if k <= 0 or seq.params.structured_outputs is not None:
             return 0
         drafts: list[int] = []
         if self.spec.method == "ngram":

@@ -455,6 +455,7 @@ class ModelRunner:
             rows += verify_rows(
                 s.params, base.prompt_ids, base.output_ids, drafts, s.sample_index, base.stop_ids
             )
+        lps: list[TokenLogprobs | None]
         if all(_plain_greedy_row(r) for r in rows):
             sampled, lps = self._greedy_ids(logits), [None] * len(rows)
         else:
