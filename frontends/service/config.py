@@ -19,7 +19,7 @@ from typing import Any
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found]
 
 ENV_PREFIX = "PAGEBUS_"
 SECRET_OPTIONS = frozenset({"api_key"})
@@ -80,8 +80,9 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
 def _scalar(a: argparse.Action, value: Any, where: str) -> Any:
-    typ = a.type if callable(a.type) else str
-    expected = f"{where}: expected {_TYPE_NAMES.get(typ, getattr(typ, '__name__', 'a value'))}"  # type: ignore[call-overload]
+    typ: Any = a.type if callable(a.type) else str
+    name = _TYPE_NAMES.get(typ) if isinstance(typ, type) else None
+    expected = f"{where}: expected {name or getattr(typ, '__name__', 'a value')}"
     if isinstance(value, bool | list | dict) or (not isinstance(value, str) and typ is str):
         raise ConfigError(f"{expected}, got {value!r}")
     if isinstance(value, float) and typ is int:

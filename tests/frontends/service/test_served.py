@@ -115,7 +115,7 @@ def served() -> Iterator[Served]:
         "--kv-cache-memory",
         "200000000",
     ]
-    cmd += ["--max-num-batched-tokens", "64", "--api-key-file", str(key_file)]
+    cmd += ["--max-num-batched-tokens", "16", "--api-key-file", str(key_file), "--health-probe-timeout", "2"]
     log = open(tmp / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -180,8 +180,9 @@ def test_watchdog_pings_at_half_the_interval(served: Served) -> None:
 
 
 def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
-    """A ~900-token prompt prefills in 64-token chunks on a worker stopped for half a stall timeout
-    before each step: no token for over two stall timeouts, but every step finishes within one."""
+    """A ~1,900-token prompt prefills in 16-token chunks on a worker stopped for half a stall
+    timeout before each step (for 2.5 stall timeouts, then at full speed): no token for over two
+    stall timeouts, but every step finishes within one."""
     w = served.worker()
     stop = threading.Event()
     states: list[int] = []
@@ -190,7 +191,7 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
         return served.server.metrics()["pagebus:engine_steps_total{}"]
 
     def slow_worker() -> None:
-        while not stop.is_set():
+        while not stop.is_set() and time.monotonic() < t0 + 2.5 * STALL_TIMEOUT:
             before = steps()
             w.suspend()
             stop.wait(STALL_TIMEOUT / 2)
@@ -203,20 +204,20 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
             states.append(served.health()[0])
             stop.wait(0.2)
 
-    prompt = " ".join(["hello world"] * 450)
+    prompt = " ".join(["hello world"] * 950)
     threads = [threading.Thread(target=slow_worker), threading.Thread(target=watch_health)]
     t0 = time.monotonic()
     for t in threads:
         t.start()
     try:
-        conn, resp = _stream(served.server, prompt, 1, OLD_KEY)
+        conn, resp = _stream(served.server, prompt, 1, OLD_KEY)  # returns at the first token
+        served.timings["slow_prefill_s"] = time.monotonic() - t0
         _finish(resp, conn)
     finally:
         stop.set()
         for t in threads:
             t.join()
         w.resume()
-    served.timings["slow_prefill_s"] = time.monotonic() - t0
     assert served.timings["slow_prefill_s"] > 2 * STALL_TIMEOUT  # so the case is the one meant
     assert states and set(states) == {200}
     assert served.stalls() == 0
@@ -249,6 +250,22 @@ def test_sigstop_worker_stalls_then_recovers(served: Served) -> None:
     served.timings["stall_to_503_s"] = at_503 - stopped
     served.timings["stall_to_last_ping_s"] = last_ping - stopped
     print(f"\nstall timeline: {served.timings}")
+
+
+def test_generate_probe_finds_a_stopped_worker_that_plain_health_cannot(served: Served) -> None:
+    assert served.server.request("GET", "/health?probe=generate", auth=False)[0] == 200
+    w = served.worker()
+    w.suspend()
+    try:
+        assert served.health()[0] == 200  # idle: nothing to make progress on, nothing stalled
+        status, _, body = served.server.request("GET", "/health?probe=generate", auth=False)
+        assert status == 503 and json.loads(body)["reason"] == "health probe: no token within 2s"
+    finally:
+        w.resume()
+    wait_until(
+        lambda: served.server.request("GET", "/health?probe=generate", auth=False)[0] == 200, 30, "probe"
+    )
+    assert served.stalls() == 1  # the one of the SIGSTOP test: a probe is not a stall
 
 
 def test_sighup_rotates_the_key_without_dropping_a_stream(served: Served) -> None:
