@@ -86,13 +86,25 @@ class OutputProcessor:
         i = u.sample_index
         if u.num_cached_tokens:
             st.num_cached_tokens = max(st.num_cached_tokens, u.num_cached_tokens)
-        step.token_ids.extend(u.new_token_ids)
-        step.logprobs.extend(u.logprobs)
+        ids, lps = u.new_token_ids, u.logprobs
         stopped_here = False
         if st.detoks:
-            res = st.detoks[i].push(u.new_token_ids)
+            # Speculative decoding delivers several tokens at once: push them one at a time, so a
+            # stop string ends the sample at the token that completed it, as without speculation.
+            res = st.detoks[i].push(ids[:1])
             step.text += res.text_delta
-            if res.finished_by_stop and u.finish_reason is None:
+            for j in range(1, len(ids)):
+                if res.finished_by_stop:
+                    ids, lps = ids[:j], lps[:j]
+                    break
+                res = st.detoks[i].push(ids[j : j + 1])
+                step.text += res.text_delta
+        step.token_ids.extend(ids)
+        step.logprobs.extend(lps)
+        if st.detoks:
+            # a stop string before the update's last token ends the sample whatever ended that token
+            cut = len(ids) < len(u.new_token_ids)
+            if res.finished_by_stop and (u.finish_reason is None or cut):
                 step.finish_reason, step.stop_reason = FinishReason.STOP, res.stop_matched
                 stopped_here = True
             elif u.finish_reason is not None:
