@@ -109,7 +109,9 @@ async def _watch_engine(client: object, server: _Server) -> None:
     # The client interface has no death callback; a 1 s poll bounds how long a dead engine is served.
     while not server.should_exit:
         if getattr(client, "is_dead", False):
-            logger.error("engine died: %s; stopping the server", getattr(client, "dead_reason", None))
+            reason = getattr(client, "dead_reason", None)
+            logger.error("engine died: %s; stopping the server", reason)
+            server.notifier.status(f"engine died: {reason}; exiting non-zero")
             server.should_exit = True
             return
         await asyncio.sleep(1.0)

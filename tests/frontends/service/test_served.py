@@ -281,6 +281,14 @@ def test_sighup_rotates_the_key_without_dropping_a_stream(served: Served) -> Non
     assert (old[0], new[0]) == (401, 200)
     _finish(resp, conn)
     served.server.api_key = NEW_KEY
+    # A reload that fails (an empty key file) keeps the running configuration, and says so.
+    served.key_file.write_text("\n")
+    sent = time.monotonic()
+    served.server.proc.send_signal(signal.SIGHUP)
+    served.notify.wait_for("READY=1", after=served.notify.wait_for("RELOADING=1", after=sent))
+    ready = next(m for t, m in served.notify.messages if t > sent and "READY=1" in m.split("\n"))
+    assert "STATUS=serving model: reload failed, kept the old configuration" in ready
+    assert served.server.request("GET", "/v1/models")[0] == 200  # still the new key
 
 
 def test_json_logs_one_object_per_line_with_request_ids(served: Served) -> None:
