@@ -80,6 +80,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return apply(parser, argv)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagebus", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     unit = sub.add_parser("systemd-unit", help="print a systemd unit that serves with the given serve flags")
     for p in (srv, unit):
-        p.add_argument("--log-level", default="INFO")
+        p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
         add_engine_args(p)
         add_serve_args(p)
     add_unit_args(unit)
