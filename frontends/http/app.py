@@ -342,7 +342,7 @@ class App:
             extra["outputs"] = ["".join(c.text) for c in bld.choices]
         shown = f", outputs {extra['outputs']!r}" if "outputs" in extra else ""
         logger.info(
-            "request finished: %s, %d prompt + %d completion tokens in %.3fs%s",
+            "request finished: %s, %d prompt + %d completion tokens, %.3fs%s",
             reasons, extra["prompt_tokens"], extra["completion_tokens"], seconds, shown, extra=extra,
         )  # fmt: skip
 
