@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagebus.bus.messages import SamplingParams
+from pagebus.bus.messages import SamplingParams, StructuredOutputsParams
 
 
 class ParamError(ValueError):
@@ -58,8 +58,42 @@ def check_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> N
         "logprobs",
     )
     need(all(s for s in p.stop), "stop strings must be non-empty", "stop")
+    if p.structured_outputs is not None:
+        check_structured_shape(p.structured_outputs)
     if vocab_size is not None:
         bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
         need(
             not bad, f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})", "stop_token_ids"
         )
+
+
+def check_structured_shape(c: StructuredOutputsParams) -> None:
+    """Exactly one constraint, none empty; `frontends.structured.validate` checks the contents."""
+    given = [
+        name
+        for name, on in (
+            ("json", c.json is not None),
+            ("regex", c.regex is not None),
+            ("choice", c.choice is not None),
+            ("grammar", c.grammar is not None),
+            ("json_object", c.json_object),
+        )
+        if on
+    ]
+    need(
+        len(given) == 1,
+        "structured_outputs needs exactly one of json, regex, choice, grammar or json_object, got "
+        + (", ".join(given) or "none"),
+        "structured_outputs",
+    )
+    need(
+        c.choice is None or len(c.choice) > 0,
+        "structured_outputs.choice must not be empty",
+        "structured_outputs",
+    )
+    need(c.regex != "", "structured_outputs.regex must not be empty", "structured_outputs")
+    need(
+        c.grammar is None or bool(c.grammar.strip()),
+        "structured_outputs.grammar must not be empty",
+        "structured_outputs",
+    )

@@ -50,6 +50,7 @@ from pagebus.workers.ops import select_ops
 from pagebus.workers.sampling import Sampler, SampleRow
 from pagebus.workers.sampling import _plain_greedy as _plain_greedy_row
 from pagebus.workers.spec.verify import accepted_tokens, verify_rows
+from pagebus.workers.structured import GrammarStates
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def _plain_greedy(s: _Seq) -> bool:
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and len(s.token_ids) - s.prompt_len >= p.min_tokens
+        and p.structured_outputs is None
     )
 
 
@@ -146,6 +148,9 @@ class ModelRunner:
         self.ops = select_ops(cfg.attention_backend, self.device)
         self.sampler = Sampler(cfg.seed)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else None
+        # Structured outputs: xgrammar loads lazily, on the first constrained request.
+        self.grammars = GrammarStates(cfg.tokenizer or model_path, mc.vocab_size, list(mc.eos_token_ids))
+        self.sampler.grammars = self.grammars
         self.seqs: dict[str, _Seq] = {}
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per verifying seq
         self.block_size = cfg.block_size
@@ -298,6 +303,8 @@ class ModelRunner:
         scheduled: list[tuple[str, int, int]] = []  # (seq_id, num_computed, num_scheduled)
         for ns in batch.new_seqs:
             self._drop(ns.seq_id)  # a re-sent sequence starts over
+            if ns.params.structured_outputs is not None:  # compiles while this step runs
+                self.grammars.prefetch(ns.params.structured_outputs)
             row = self.inputs.assign_row()
             self.inputs.add_blocks(row, 0, ns.block_ids)
             self.seqs[ns.seq_id] = _Seq(
@@ -340,6 +347,7 @@ class ModelRunner:
         s = self.seqs.pop(seq_id, None)
         if s is not None:
             self.inputs.release_row(s.row)
+            self.grammars.forget(seq_id)
 
     def _prepare(self, scheduled: list[tuple[str, int, int]]) -> _Step:
         bs = self.block_size
@@ -501,5 +509,10 @@ class ModelRunner:
         if self.eos_token_id is not None and not s.params.ignore_eos:
             stop_ids += (self.eos_token_id,)
         return SampleRow(
-            s.params, s.token_ids[: s.prompt_len], s.token_ids[s.prompt_len :], s.sample_index, stop_ids
+            s.params,
+            s.token_ids[: s.prompt_len],
+            s.token_ids[s.prompt_len :],
+            s.sample_index,
+            stop_ids,
+            seq_id,
         )

@@ -30,10 +30,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pagebus.bus.messages import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from pagebus.workers.structured import GrammarStates
 
 _MASK64 = (1 << 64) - 1
 _SEEDED, _UNSEEDED = 0x5EED, 0xF4EE  # key domains: a seeded row never shares an unseeded key
@@ -54,6 +57,7 @@ class SampleRow:
     output_ids: list[int]
     sample_index: int
     stop_ids: tuple[int, ...]  # ids masked while fewer than min_tokens were generated
+    seq_id: str = ""  # keys a constrained row's grammar matcher ("": replayed from output_ids)
 
 
 # ---------------------------------------------------------------------------------- noise
@@ -310,12 +314,23 @@ class Sampler:
         self.seed = seed
         self.calls = 0
         self._ids: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.grammars: GrammarStates | None = None  # set by the runner: structured outputs
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [num_rows, vocab] on any device. Returns token ids and logprobs."""
+        """logits: [num_rows, vocab] on any device (constrained rows are masked in place).
+        Returns token ids and logprobs."""
         engine_call = self.next_call()
+        constrained = [
+            (i, r.seq_id, c, r.output_ids)
+            for i, r in enumerate(rows)
+            if (c := r.params.structured_outputs) is not None
+        ]
+        if constrained:  # only these rows change: the others keep their exact logits
+            if self.grammars is None:
+                raise RuntimeError("a structured-output row reached a Sampler without grammars")
+            self.grammars.mask(logits, constrained)
         if all(_plain_greedy(r) for r in rows):  # most decode steps: the argmax is all there is
             return logits.argmax(dim=-1).tolist(), [None] * len(rows)
         st = SamplingTensors.build(rows, logits.shape[-1], logits.device, engine_call)
