@@ -81,7 +81,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """`tools`: OpenAI tool definitions, rendered into the prompt (frontends/structured/tools.py)."""
         one = bool(messages) and isinstance(messages[0], dict)  # one conversation, or a list of them
         convs = [cast(list[dict[str, str]], messages)] if one else cast(list[list[dict[str, str]]], messages)
         params = self._params_list(sampling_params, len(convs))
@@ -94,6 +96,7 @@ class LLM:
                     messages=msgspec.convert(c, list[ChatMessage]),
                     add_generation_prompt=add_generation_prompt,
                     arrival_time=time.time(),
+                    tools=tools,
                     echo=True,  # the first delta brings the templated prompt: RequestOutput.prompt
                 ),
             )

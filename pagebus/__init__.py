@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isfile(os.path.join(_root, "pyproject.toml")) and os.path.isfile(
@@ -35,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from pagebus.bus.messages import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from pagebus.bus.messages import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'pagebus' has no attribute {name!r}")

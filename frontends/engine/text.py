@@ -10,6 +10,8 @@ the same way.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from pagebus.bus.messages import (
     AddRequest,
@@ -25,6 +27,8 @@ from pagebus.bus.messages import (
 )
 from pagebus.bus.validation import check_sampling_params
 from pagebus.frontends.output_processor import OutputProcessor
+from pagebus.frontends.structured.tools import chat_prompt
+from pagebus.frontends.structured.validate import check_structured
 from pagebus.frontends.tokenizer import Tokenizer
 
 
@@ -37,8 +41,10 @@ class TextProcessor:
         """The scheduler's request, or the final delta that refuses it (an invalid request)."""
         try:
             check_sampling_params(req.params)
+            if req.params.structured_outputs is not None:  # refused here, not in the worker
+                check_structured(req.params.structured_outputs)
             text, ids = self._prompt(
-                req.prompt, req.prompt_token_ids, req.messages, req.add_generation_prompt, True
+                req.prompt, req.prompt_token_ids, req.messages, req.add_generation_prompt, True, req.tools
             )
         except ValueError as e:  # includes ChatTemplateError and ParamError
             return RequestDelta(
@@ -80,6 +86,7 @@ class TextProcessor:
         messages: list[ChatMessage] | None,
         add_generation_prompt: bool,
         add_special_tokens: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str | None, list[int]]:
         """(prompt text if known, prompt token ids); ValueError says what is wrong."""
         if sum(x is not None for x in (prompt, ids, messages)) != 1:
@@ -90,8 +97,8 @@ class TextProcessor:
                 raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary")
             return None, list(ids)
         if messages is not None:
-            convo = [msgspec.structs.asdict(m) for m in messages]
-            text = self.tok.apply_chat_template(convo, add_generation_prompt)
+            convo = [msgspec.to_builtins(m) for m in messages]
+            text = chat_prompt(self.tok, convo, add_generation_prompt, tools)
             return text, self.tok.encode(text, add_special_tokens=False)  # the template holds them
         assert prompt is not None
         return prompt, self.tok.encode(prompt, add_special_tokens=add_special_tokens)

@@ -17,10 +17,18 @@ from typing import Any, Literal
 
 from pagebus.bus.config import MAX_N, RequestLimits
 from pagebus.bus.messages import GenerateRequest, RequestDelta, SamplingParams
+from pagebus.bus.validation import ParamError
 from pagebus.frontends.engine.interface import AsyncEngine
 from pagebus.frontends.openai import protocol as P
-from pagebus.frontends.openai.errors import bad_request, delta_error, engine_dead, is_engine_dead
+from pagebus.frontends.openai.errors import (
+    bad_request,
+    delta_error,
+    engine_dead,
+    from_param_error,
+    is_engine_dead,
+)
 from pagebus.frontends.openai.streaming import ResponseBuilder
+from pagebus.frontends.structured.request import tool_mode as tool_mode_of
 
 Kind = Literal["completion", "chat"]
 
@@ -122,13 +130,24 @@ def _prepare_chat(body: P.ChatCompletionRequest, ctx: Context) -> Prepared:
     messages = P.chat_messages(body.messages)
     check_bounds(params, [""], ctx)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    try:  # already checked by sampling_params
+        tool_mode, _, tools = tool_mode_of(body.tools, body.tool_choice)
+    except ParamError as e:
+        raise from_param_error(e) from None
     builder = ResponseBuilder(
-        "chat", rid, ctx.served_model_name, n=params.n, logprobs=params.logprobs, token_text=ctx.token_text
+        "chat",
+        rid,
+        ctx.served_model_name,
+        n=params.n,
+        logprobs=params.logprobs,
+        token_text=ctx.token_text,
+        tool_mode=tool_mode,
     )
     gen = GenerateRequest(
         request_id=rid,
         params=params,
         messages=messages,
+        tools=tools,
         add_generation_prompt=body.add_generation_prompt,
         priority=body.priority,
         cache_salt=body.cache_salt,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from pagebus.bus.messages import ChatMessage, SamplingParams
+from pagebus.bus.messages import ChatMessage, SamplingParams, StructuredOutputsParams, ToolCall
 from pagebus.bus.validation import ParamError, check_sampling_params
 from pagebus.frontends.openai.errors import (
     APIError,
@@ -19,6 +19,7 @@ from pagebus.frontends.openai.errors import (
     from_param_error,
     from_validation_error,
 )
+from pagebus.frontends.structured import request as S
 
 
 class StreamOptions(msgspec.Struct):
@@ -51,6 +52,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None  # accepted and ignored, as OpenAI does for abuse tracking
+    # Structured outputs (frontends/structured/request.py): OpenAI's, vLLM's, vLLM's older names.
+    response_format: S.ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -72,6 +80,7 @@ class ChatMessageIn(msgspec.Struct):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a `tool` message answers this call
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -79,6 +88,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[S.Tool] | None = None
+    tool_choice: str | S.NamedToolChoice | None = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -142,6 +153,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=_constraint(req),
         **{k: v for k, v in given.items() if v is not None},
     )
     try:
@@ -151,6 +163,23 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, vocab_size: 
             raise bad_request(str(e).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
         raise from_param_error(e) from None
     return p
+
+
+def _constraint(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The one structured-output constraint of a body: its fields, or a forced tool call."""
+    try:
+        c = S.constraint(req)
+        if isinstance(req, ChatCompletionRequest):
+            forced = S.tool_mode(req.tools, req.tool_choice)[1]
+            if forced is not None:
+                if c is not None:
+                    raise ParamError(
+                        "a forced tool_choice cannot be combined with another constraint", "tool_choice"
+                    )
+                c = forced
+    except ParamError as e:
+        raise from_param_error(e) from None
+    return c
 
 
 def prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
@@ -220,7 +249,15 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
         content = m.content
         if isinstance(content, list):  # text parts only, as check_messages made sure
             content = "".join(part.text or "" for part in content)
-        out.append(ChatMessage(role=m.role, content=content, name=m.name, tool_call_id=m.tool_call_id))
+        out.append(
+            ChatMessage(
+                role=m.role,
+                content=content,
+                name=m.name,
+                tool_call_id=m.tool_call_id,
+                tool_calls=m.tool_calls,
+            )
+        )
     return out
 
 
@@ -284,9 +321,24 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] = []
 
 
+class FunctionOut(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # None: a stream chunk continuing the call's arguments
+    arguments: str | None = None
+
+
+class ToolCallOut(msgspec.Struct, omit_defaults=True):
+    """A tool call of a message (`index` None), or of a stream delta (`id`, `type` only first)."""
+
+    function: FunctionOut
+    id: str | None = None
+    type: str | None = None
+    index: int | None = None
+
+
 class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-from pagebus.bus.messages import RequestDelta, TokenLogprobs
+from pagebus.bus.messages import FinishReason, RequestDelta, TokenLogprobs
 from pagebus.frontends.openai.errors import ErrorResponse
 from pagebus.frontends.openai.protocol import (
     ChatChoice,
@@ -23,11 +23,14 @@ from pagebus.frontends.openai.protocol import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionOut,
     Response,
+    ToolCallOut,
     TopLogprob,
     Usage,
     usage,
 )
+from pagebus.frontends.structured.tools import ParsedCall, ToolMode, ToolStream
 
 Kind = Literal["completion", "chat"]
 DONE = b"data: [DONE]\n\n"
@@ -52,6 +55,9 @@ class _Choice:
     text_len: int = 0  # characters so far, for completions' text_offset
     comp_lp: CompletionLogprobs | None = None
     chat_lp: ChatLogprobs | None = None
+    tools: ToolStream | None = None  # a chat with tools: its text may turn into tool calls
+    tool_calls: list[ParsedCall] | None = None
+    tool_content: str | None = None  # the content beside the calls
 
 
 @dataclass
@@ -74,11 +80,15 @@ class ResponseBuilder:
         logprobs: int | None = None,
         echo: bool = False,
         token_text: Callable[[int], str] = str,
+        tool_mode: ToolMode | None = None,
     ) -> None:
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.created = int(time.time())
         self.logprobs, self.echo, self.token_text = logprobs, echo, token_text
         self.choices = [_Choice() for _ in range(num_prompts * n)]
+        if tool_mode is not None:
+            for c in self.choices:
+                c.tools = ToolStream(tool_mode)
         self.prompts = [_Prompt() for _ in range(num_prompts)]
 
     # ------------------------------------------------------------------ folding deltas
@@ -103,7 +113,9 @@ class ResponseBuilder:
                 c.finish_reason, c.stop_reason = s.finish_reason.value, s.stop_reason
             if not (s.text_delta or s.finish_reason or s.logprobs):
                 continue
-            if self.kind == "chat":
+            if self.kind == "chat" and c.tools is not None:
+                out.extend(self._tool_chunk(idx, c, s.text_delta, lp_chunk))
+            elif self.kind == "chat":
                 out.append(
                     ChatChunkChoice(
                         idx, ChatMessageOut(content=s.text_delta), lp_chunk, c.finish_reason, c.stop_reason
@@ -112,6 +124,35 @@ class ResponseBuilder:
             else:
                 out.append(CompletionChoice(idx, s.text_delta, lp_chunk, c.finish_reason, c.stop_reason))
         return out
+
+    @staticmethod
+    def _tool_chunk(idx: int, c: _Choice, text: str, lp_chunk: Any) -> list[ChatChunkChoice]:
+        """The stream choice of a delta under tools: content that cannot open a call, and at the
+        end the calls, each whole in one chunk (OpenAI's delta shape: index, id, type, function)."""
+        assert c.tools is not None
+        content = c.tools.feed(text)
+        calls: list[ToolCallOut] | None = None
+        if c.finish_reason is not None:
+            rest, parsed = c.tools.finish(completed=c.finish_reason == FinishReason.STOP.value)
+            content += rest
+            if parsed:
+                c.tool_calls, c.finish_reason, c.stop_reason = parsed, "tool_calls", None
+                c.tool_content = c.tools.content
+                calls = [
+                    ToolCallOut(FunctionOut(p.name, p.arguments), p.id, "function", k)
+                    for k, p in enumerate(parsed)
+                ]
+        if not (content or calls or c.finish_reason or lp_chunk):
+            return []
+        return [
+            ChatChunkChoice(
+                idx,
+                ChatMessageOut(content=content or None, tool_calls=calls),
+                lp_chunk,
+                c.finish_reason,
+                c.stop_reason,
+            )
+        ]
 
     @staticmethod
     def _append_text(c: _Choice, text: str) -> None:
@@ -187,7 +228,7 @@ class ResponseBuilder:
             choices: list[Any] = [
                 ChatChoice(
                     i,
-                    ChatMessageOut(role="assistant", content="".join(c.text)),
+                    _message(c),
                     (c.chat_lp or ChatLogprobs()) if self.logprobs is not None else None,
                     c.finish_reason,
                     c.stop_reason,
@@ -208,3 +249,10 @@ class ResponseBuilder:
             ]
             obj = "text_completion"
         return Response(self.id, obj, self.created, self.model, choices, self.usage())
+
+
+def _message(c: _Choice) -> ChatMessageOut:
+    if c.tool_calls:
+        calls = [ToolCallOut(FunctionOut(p.name, p.arguments), p.id, "function") for p in c.tool_calls]
+        return ChatMessageOut(role="assistant", content=c.tool_content, tool_calls=calls)
+    return ChatMessageOut(role="assistant", content="".join(c.text))
