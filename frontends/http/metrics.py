@@ -49,6 +49,42 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily(
             "pagebus:engine_steps", "Engine steps finished (what stall detection counts)", s.num_steps
         )
+        yield from _spec_decode_metrics(s)
+
+
+def _spec_decode_metrics(s: SchedulerStats) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, plus drafted-per-position (drafts here vary in
+    length, so a position's acceptance rate is accepted / drafted at that position)."""
+    yield CounterMetricFamily(
+        "pagebus:spec_decode_num_drafts", "Verifications of at least one draft token", s.spec_num_drafts
+    )
+    yield CounterMetricFamily(
+        "pagebus:spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "pagebus:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.spec_num_accepted_tokens
+    )
+    drafted = CounterMetricFamily(
+        "pagebus:spec_decode_num_drafted_tokens_per_pos",
+        "Draft tokens verified at each position",
+        labels=["position"],
+    )
+    accepted = CounterMetricFamily(
+        "pagebus:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each position",
+        labels=["position"],
+    )
+    for i, (d, a) in enumerate(zip(s.spec_drafted_per_position, s.spec_accepted_per_position, strict=True)):
+        drafted.add_metric([str(i)], d)
+        accepted.add_metric([str(i)], a)
+    yield drafted
+    yield accepted
+    rate = s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0
+    yield GaugeMetricFamily("pagebus:spec_decode_acceptance_rate", "Accepted / verified draft tokens", rate)
+    mean = 1.0 + s.spec_num_accepted_tokens / s.spec_num_drafts if s.spec_num_drafts else 0.0
+    yield GaugeMetricFamily(
+        "pagebus:spec_decode_mean_accepted_length", "Tokens gained per verification (accepted + 1)", mean
+    )
 
 
 class Metrics:

@@ -118,7 +118,7 @@ class Supervisor:
         self._status(f"STALLED: {reason}" if reason else f"serving: {summary}" if busy else "idle")
         if not (busy or moved or reason):
             return
-        fields = {
+        fields: dict[str, object] = {
             "prompt_tps": round(prompt_tps, 2),
             "generation_tps": round(gen_tps, 2),
             "running": s.num_running,
@@ -129,11 +129,24 @@ class Supervisor:
             "steps": s.num_steps,
             "stalled": reason is not None,
         }
+        spec = ""
+        if s.spec_num_draft_tokens:  # speculative decoding, cumulative
+            rate = s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+            mean = 1.0 + s.spec_num_accepted_tokens / s.spec_num_drafts
+            per_pos = [
+                round(a / d, 3) if d else 0.0
+                for a, d in zip(s.spec_accepted_per_position, s.spec_drafted_per_position, strict=True)
+            ]
+            fields.update(
+                spec_acceptance_rate=round(rate, 4), spec_mean_accepted_length=round(mean, 3),
+                spec_acceptance_per_position=per_pos,
+            )  # fmt: skip
+            spec = f", spec acceptance {100 * rate:.1f}% {per_pos}, mean accepted length {mean:.2f}"
         log.info(
             "stats: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV %.1f%%, "
-            "prefix hit %.1f%%, preemptions %d%s",
+            "prefix hit %.1f%%, preemptions %d%s%s",
             prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * hit,
-            s.num_preemptions, f"; STALLED ({reason})" if reason else "",
+            s.num_preemptions, spec, f"; STALLED ({reason})" if reason else "",
             extra={"stats": fields},
         )  # fmt: skip
 
