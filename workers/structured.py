@@ -223,7 +223,10 @@ class GrammarStates:
                 self.states[seq_id] = st
         for tok in output_ids[st.consumed :]:
             if not st.broken and not st.matcher.is_terminated() and not st.matcher.accept_token(tok):
-                log.error("sequence %s: token %d breaks its grammar; ending it", seq_id, tok)
+                # A one-off row may be a speculative draft the grammar refuses (its own sample
+                # then differs and the draft is rejected); a tracked sequence never should.
+                if seq_id:
+                    log.error("sequence %s: token %d breaks its grammar; ending it", seq_id, tok)
                 st.broken = True
         st.consumed = len(output_ids)
         return st
