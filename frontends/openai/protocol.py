@@ -225,7 +225,7 @@ def check_messages(messages: list[ChatMessageIn]) -> None:
         if m.role not in ROLES:
             raise bad_request(f"{at}.role must be one of {', '.join(ROLES)}, not {m.role!r}", f"{at}.role")
         # An assistant message may carry tool calls instead of content; every other role needs content.
-        if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise bad_request(f"{at}.content is required for a {m.role} message", f"{at}.content")
         if m.role == "tool" and not m.tool_call_id:
             raise bad_request(f"{at}.tool_call_id is required for a tool message", f"{at}.tool_call_id")

@@ -137,8 +137,8 @@ def _engine_pid(root: int, role: str) -> int:
 def test_worker_death_mid_batch_gives_every_in_flight_line_an_error_then_resume_completes(
     tmp_path: Path,
 ) -> None:
-    n = 16
-    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    n = 10
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b"".join(batch_line(f"r{i}", {"prompt": f"{i}: once", **body}) + b"\n" for i in range(n)))
     cmd = [sys.executable, "-m", "pagebus.frontends.cli", "run-batch", "--dtype", "float32",

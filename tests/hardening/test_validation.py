@@ -82,6 +82,12 @@ def test_valid_messages_and_unknown_top_level_fields_are_accepted() -> None:
         {"role": "system", "content": [{"type": "text", "text": "be kind"}]},
         user(),
         {"role": "assistant", "content": "hello", "refusal": None},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]
@@ -96,7 +102,7 @@ def test_valid_messages_and_unknown_top_level_fields_are_accepted() -> None:
     assert status == 200, out
     (req,) = client.requests
     assert [m.role for m in req.messages or []] == [m["role"] for m in messages]
-    assert (req.messages or [])[-1].content == "ab" and (req.messages or [])[4].tool_call_id == "call_1"
+    assert (req.messages or [])[-1].content == "ab" and (req.messages or [])[5].tool_call_id == "call_1"
 
 
 @pytest.mark.parametrize(
