@@ -49,6 +49,7 @@ from pagebus.workers.models import model_class
 from pagebus.workers.ops import select_ops
 from pagebus.workers.sampling import Sampler, SampleRow
 from pagebus.workers.sampling import _plain_greedy as _plain_greedy_row
+from pagebus.workers.spec.draft import DraftModel
 from pagebus.workers.spec.verify import accepted_tokens, verify_rows
 from pagebus.workers.structured import GrammarStates
 
@@ -183,6 +184,10 @@ class ModelRunner:
             (self.num_blocks - 1) * cfg.block_size / self.max_model_len, self.max_model_len,
         )  # fmt: skip
         t_kv = time.monotonic()
+        sc = cfg.speculative_config
+        self.drafter: DraftModel | None = None
+        if sc is not None and sc.method == "draft_model" and sc.model is not None:
+            self.drafter = DraftModel(self, sc.model)
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
             self.graphs = DecodeGraphs(graph_sizes, mc.vocab_size, self.device, self._capture_stream)
@@ -312,6 +317,7 @@ class ModelRunner:
             )
             scheduled.append((ns.seq_id, ns.num_computed_tokens, ns.num_scheduled_tokens))
         self._drafts = {}
+        want: dict[str, int] = {}
         for cs in batch.cached_seqs:
             s = self.seqs[cs.seq_id]
             if 0 <= cs.block_offset < len(s.block_ids):  # blocks of rejected drafts, freed
@@ -320,11 +326,15 @@ class ModelRunner:
                 self.inputs.add_blocks(s.row, len(s.block_ids), cs.new_block_ids)
                 s.block_ids.extend(cs.new_block_ids)
             num_drafts = cs.num_scheduled_tokens - (len(s.token_ids) - cs.num_computed_tokens)
-            if num_drafts > 0:
+            if num_drafts > 0 and cs.spec_token_ids:
                 self._drafts[cs.seq_id] = list(cs.spec_token_ids)
+            elif num_drafts > 0:
+                want[cs.seq_id] = num_drafts  # the draft model proposes them
             scheduled.append((cs.seq_id, cs.num_computed_tokens, cs.num_scheduled_tokens))
         if not scheduled:
             return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
+        if self.drafter is not None:  # runs every step: its KV cache follows the target's
+            self._drafts.update(self.drafter.propose(scheduled, want))
         if self._drafts:
             for seq_id, drafts in self._drafts.items():
                 self.seqs[seq_id].token_ids.extend(drafts)  # verified below, then cut back
@@ -347,6 +357,8 @@ class ModelRunner:
         s = self.seqs.pop(seq_id, None)
         if s is not None:
             self.inputs.release_row(s.row)
+            if self.drafter is not None:
+                self.drafter.forget(seq_id)
             self.grammars.forget(seq_id)
 
     def _prepare(self, scheduled: list[tuple[str, int, int]]) -> _Step:
@@ -476,6 +488,8 @@ class ModelRunner:
             s, drafts = self.seqs[seq_id], self._drafts.get(seq_id, [])
             k = len(drafts)
             out = accepted_tokens(sampled[at : at + k + 1], drafts)
+            if self.drafter is not None and k:
+                self.drafter.settle(seq_id, len(s.token_ids) - k - 1, k, len(out) - 1)
             del s.token_ids[len(s.token_ids) - k :]
             s.token_ids.extend(out)
             token_ids += out
