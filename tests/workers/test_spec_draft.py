@@ -25,6 +25,11 @@ def prompts(llm_fp32) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def reference(runner, prompts) -> list[list[int]]:
+    return run(runner, prompts, runner.cfg)[0]
+
+
+@pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory: pytest.TempPathFactory, runner) -> str:
     import transformers as tf
 
@@ -54,16 +59,14 @@ def _detach(runner):
     runner.drafter = None  # the shared runner goes back to plain
 
 
-def test_self_draft_accepts_nearly_everything(runner, prompts, default_model: str) -> None:
-    reference = run(runner, prompts, runner.cfg)[0]
+def test_self_draft_accepts_nearly_everything(runner, prompts, reference, default_model: str) -> None:
     cfg = _with_draft(runner, default_model, 3)
     got, _, st = run(runner, prompts, cfg)
     assert got == reference
     assert st.spec_num_accepted_tokens >= 0.9 * st.spec_num_draft_tokens > 0
 
 
-def test_tiny_random_draft_changes_nothing(runner, prompts, tiny_draft: str) -> None:
-    reference = run(runner, prompts, runner.cfg)[0]
+def test_tiny_random_draft_changes_nothing(runner, prompts, reference, tiny_draft: str) -> None:
     cfg = _with_draft(runner, tiny_draft, 2, enable_prefix_caching=False)
     got, _, st = run(runner, prompts, cfg)
     assert got == reference and st.spec_num_draft_tokens > 0
