@@ -123,4 +123,10 @@ class DraftModel:
         meta = StepMeta(max(qlens), max(seq_lens), decodes, len(qlens) - decodes, seq_lens, starts)
         t = r.inputs.load(input_ids, positions, slots, table_rows, seq_lens, starts, logits_rows)
         logits = self.model(r._forward_batch(t, meta, t.logits_indices, self.kv_caches))
-        return r._greedy_ids(logits) if logits_rows else []
+        if logits_rows:
+            return r._greedy_ids(logits)  # waits for the stream, as the next load needs
+        if r.device.type == "cuda":  # the next load rewrites the host buffers this step reads
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+        return []
