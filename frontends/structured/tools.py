@@ -202,7 +202,7 @@ def _call_list(obj: Any, names: frozenset[str], args_key: str) -> list[ParsedCal
     for c in obj:
         if not isinstance(c, dict) or c.get("name") not in names:
             return []
-        args = next((c[k] for k in (args_key, "arguments", "parameters") if k in c), {})
+        args: Any = next((c[k] for k in (args_key, "arguments", "parameters") if k in c), {})
         if isinstance(args, str) and _is_json(args):
             out.append(ParsedCall(c["name"], args))
         else:

@@ -75,7 +75,7 @@ def _schema(text: str) -> Any:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise ParamError(f"the JSON schema is not valid JSON: {e}", PARAM) from None
-    if not isinstance(schema, (dict, bool)):
+    if not isinstance(schema, dict):
         raise ParamError(f"a JSON schema must be an object, got {type(schema).__name__}", PARAM)
     import jsonschema
 
