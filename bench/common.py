@@ -44,6 +44,16 @@ def device_name() -> str:
     return f"{cpu} x{os.cpu_count()}"
 
 
+def cpu_flags() -> list[str]:
+    """The SIMD flags that decide kernels and dtypes (avx*, sse4*, fma, amx*)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(x for x in f if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "sse4", "fma", "amx")))
+
+
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
     if not values:
         return {f"p{p}": 0.0 for p in ps} | {"mean": 0.0}

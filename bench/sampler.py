@@ -23,7 +23,7 @@ import torch
 from pagebus.bus.messages import SamplingParams
 from pagebus.workers import sampling
 
-from bench.common import emit, log, setup_logging
+from bench.common import cpu_flags, emit, log, setup_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "01cb25c"  # the last commit with the per-row host sampler
@@ -68,15 +68,6 @@ def load_baseline(rev: str) -> ModuleType | None:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-def cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(x for x in f if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "sse4", "fma", "amx")))
 
 
 def make_rows(row_cls: Any, mix: list[SamplingParams], num: int, vocab: int, rng: random.Random) -> list[Any]:

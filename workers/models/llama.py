@@ -125,7 +125,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, {0: cfg.vocab_size})
         self.tied_parameter_names: set[str] = set()
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            # One matrix for both, in the head's layout: on CPUs that is the fast one for the
+            # vocabulary-wide matmul (see layers/linear.py); the lookup of a few rows reads it strided.
+            self.model.embed_tokens.weight = self.lm_head.weight
         max_pos = cfg.max_position
         self.register_buffer(
             "cos_sin_cache",
