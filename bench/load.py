@@ -50,7 +50,7 @@ class ReqResult:
     text: str = ""
     ttft: float | None = None
     e2e: float | None = None
-    retries: int = 0
+    retries: int = 0  # attempts, the first included
     error_kind: str | None = None
     t_end: float = 0.0
 
@@ -62,14 +62,15 @@ class Report:
 
 
 async def one_client(
-    session: aiohttp.ClientSession, url: str, combo: Combo, cut: int | None, report: Report, max_retries: int
+    session: aiohttp.ClientSession, url: str, combo: Combo, cut: int | None, report: Report, patience: float
 ) -> ReqResult:
-    """One streaming request; `cut`: hang up after that many token events."""
+    """One streaming request; `cut`: hang up after that many token events. A 429 is retried after
+    its retry-after for up to `patience` seconds; then the request counts as refused."""
     r = ReqResult(combo)
     report.results.append(r)
     t0 = time.perf_counter()
-    for attempt in range(max_retries + 1):
-        r.retries = attempt
+    while time.perf_counter() - t0 < patience:
+        r.retries += 1
         try:
             async with session.post(url, json=body(combo, True)) as resp:
                 report.statuses[resp.status] += 1
@@ -156,14 +157,14 @@ async def wave(
     cs: list[Combo],
     disconnect: float,
     report: Report,
-    max_retries: int = 100,
+    patience: float = 900.0,
 ) -> list[ReqResult]:
     """All clients at once (a burst), each drawing a combo and maybe a point to hang up."""
     url = f"{base}/v1/completions"
     plan = [
         (rng.choice(cs), rng.randint(1, 3) if rng.random() < disconnect else None) for _ in range(clients)
     ]
-    return await asyncio.gather(*(one_client(session, url, c, cut, report, max_retries) for c, cut in plan))
+    return await asyncio.gather(*(one_client(session, url, c, cut, report, patience) for c, cut in plan))
 
 
 def verdict(results: list[ReqResult], solo: dict[Combo, str]) -> dict[str, Any]:
@@ -188,7 +189,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         solo = await solo_texts(session, args.base_url, cs)
         t0 = time.perf_counter()
-        results = await wave(session, args.base_url, args.clients, rng, cs, args.disconnect, report)
+        results = await wave(
+            session, args.base_url, args.clients, rng, cs, args.disconnect, report, args.timeout
+        )
         wall = time.perf_counter() - t0
         after = await settle(session, args.base_url)
     out = verdict(results, solo)
@@ -207,7 +210,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--disconnect", type=float, default=0.3, help="share of clients that hang up mid-stream")
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per request at most")
+    ap.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per request at most, 429 retries included"
+    )
     ap.add_argument("--seed", type=int, default=0)
 
 

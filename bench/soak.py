@@ -84,7 +84,7 @@ async def soak(args: argparse.Namespace, pid: int) -> dict[str, Any]:
         sampler = asyncio.create_task(sample())
         waves = 0
         while time.perf_counter() - t0 < args.duration:
-            await wave(session, args.base_url, args.clients, rng, cs, args.disconnect, report)
+            await wave(session, args.base_url, args.clients, rng, cs, args.disconnect, report, args.timeout)
             waves += 1
             log.info(
                 "soak: wave %d done at %.0fs, %d requests",
