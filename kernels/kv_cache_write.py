@@ -7,6 +7,8 @@ slot_mapping:    [num_tokens] int64, slot = block_id * block_size + offset; -1 s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,31 @@ def write_kv_cache_ref(
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    memo: dict[str, Any] | None = None,
+) -> None:
+    """The torch backend's write: the ref's result, with the skipped tokens (slot -1) found once
+    per step (memo: the step's scratch) instead of by a boolean mask in every layer."""
+    found: tuple[torch.Tensor | None, torch.Tensor] | None = (
+        None if memo is None else memo.get("kv_write_slots")
+    )
+    if found is None:
+        kept = (slot_mapping >= 0).nonzero().squeeze(1)
+        found = (None if kept.numel() == slot_mapping.numel() else kept, slot_mapping.index_select(0, kept))
+        if memo is not None:
+            memo["kv_write_slots"] = found
+    keep, slots = found
+    if keep is not None:
+        key, value = key.index_select(0, keep), value.index_select(0, keep)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 @triton.jit

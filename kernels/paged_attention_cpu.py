@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,7 @@ def paged_attention_cpu(
     max_seq_len: int | None = None,
     seq_lens_host: list[int] | None = None,
     query_start_loc_host: list[int] | None = None,
+    memo: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref` for CPU tensors.
 
@@ -57,7 +59,10 @@ def paged_attention_cpu(
     max_seq_len: an upper bound on seq_lens; without seq_lens_host it sizes the decode rows
         without reading the lengths on the host.
     seq_lens_host, query_start_loc_host: the same values as host lists, so the op need not read
-        the tensors back."""
+        the tensors back.
+    memo: the step's scratch (ForwardBatch.step_cache): what depends on the batch alone (the
+        decode buckets, the sparse pattern's indices, the padding mask) is built by the first
+        layer and reused by the others, which then run four kernels each."""
     if q.device.type != "cpu":  # the torch backend on an accelerator: the ref's batched SDPA
         return paged_attention_ref(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -79,21 +84,25 @@ def paged_attention_cpu(
     lens = seq_lens_host
     if lens is None and (prefill or not max_seq_len):
         lens = seq_lens.tolist()
-    if decode and not prefill and len(decode) == num_seqs == num_tokens:
-        buckets = _buckets(decode, lens, max_seq_len)
-        if len(buckets) == 1:  # token i is sequence i's query, all in one batch: no gather, no scatter
-            return _decode(q, k_cache, v_cache, block_tables, seq_lens, buckets[0][1], lens, scale)
+    memo = {} if memo is None else memo
+    buckets = memo.get("decode_buckets")
+    if buckets is None:
+        buckets = memo["decode_buckets"] = _buckets(decode, lens, max_seq_len) if decode else []
+    if decode and not prefill and len(decode) == num_seqs == num_tokens and len(buckets) == 1:
+        # token i is sequence i's query, all in one batch: no gather, no scatter
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, buckets[0][1], lens, scale, memo, "all")
     out = torch.empty_like(q)
-    if decode:
-        for rows, width in _buckets(decode, lens, max_seq_len):
-            idx = torch.tensor(rows)
-            tok = torch.tensor([starts[i] for i in rows])
-            sub_lens = None if lens is None else [lens[i] for i in rows]
-            o = _decode(
-                q.index_select(0, tok), k_cache, v_cache, block_tables.index_select(0, idx),
-                seq_lens.index_select(0, idx), width, sub_lens, scale,
-            )  # fmt: skip
-            out.index_copy_(0, tok, o)
+    for b, (rows, width) in enumerate(buckets):
+        key = f"bucket{b}"
+        if key not in memo:
+            memo[key] = (torch.tensor(rows), torch.tensor([starts[i] for i in rows]))
+        idx, tok = memo[key]
+        sub_lens = None if lens is None else [lens[i] for i in rows]
+        o = _decode(
+            q.index_select(0, tok), k_cache, v_cache, block_tables.index_select(0, idx),
+            seq_lens.index_select(0, idx), width, sub_lens, scale, memo, key,
+        )  # fmt: skip
+        out.index_copy_(0, tok, o)
     for i in prefill:
         assert lens is not None
         a, b = starts[i], starts[i + 1]
@@ -138,29 +147,44 @@ def _decode(
     width: int,
     lens: list[int] | None,
     scale: float,
+    memo: dict[str, Any],
+    key: str,
 ) -> torch.Tensor:
     """q [B, h, d], one query per sequence at its last position, keys 0 .. len - 1 <= width - 1
-    -> [B, h, d]."""
+    -> [B, h, d]. `memo[key]` keeps the sparse pattern of these rows for the step's next layers."""
     width = min(width, tables.shape[1] * k_cache.shape[1])  # no sequence outgrows its table
     k_rows = _rows_view(k_cache) if q.dtype in _SPARSE_DTYPES and k_cache.dtype == q.dtype else None
     v_rows = _rows_view(v_cache) if k_rows is not None and v_cache.dtype == q.dtype else None
     if k_rows is None or v_rows is None or k_cache.stride() != v_cache.stride():
         return _decode_gathered(q, k_cache, v_cache, tables, lens_t, width, scale)
     padded = lens is None or any(n != width for n in lens)
-    return _decode_in_place(q, k_cache, k_rows, v_rows, tables, lens_t, width, padded, scale)
+    pattern_key = (key, k_cache.shape, k_cache.stride(), q.shape[1], q.dtype)
+    pattern = memo.get(f"{key}_pattern")
+    if pattern is None or pattern[0] != pattern_key:  # first layer, or another cache layout
+        pattern = (pattern_key, _decode_pattern(q, k_cache, k_rows, tables, lens_t, width, padded))
+        memo[f"{key}_pattern"] = pattern
+    return _decode_in_place(q, k_rows, v_rows, pattern[1], scale)
 
 
-def _decode_in_place(
+class _DecodePattern(NamedTuple):
+    """Which cache rows each (sequence, query head) attends to: all the per-layer sparse
+    attention needs besides q and the caches."""
+
+    csr: torch.Tensor  # [B * h, cache rows] CSR, zero values: the keys' positions in k_rows
+    cols: torch.Tensor  # [B * h, width] the same column indices, as bags for embedding_bag
+    pad: torch.Tensor | None  # [B, 1, width] True past a row's length (scores -> -inf)
+    shape: tuple[int, int, int]  # (B, h, width)
+
+
+def _decode_pattern(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     k_rows: torch.Tensor,
-    v_rows: torch.Tensor,
     tables: torch.Tensor,
     lens_t: torch.Tensor,
     width: int,
     padded: bool,
-    scale: float,
-) -> torch.Tensor:
+) -> _DecodePattern:
     num_seqs, num_heads, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     s0, s1, s2, _ = (s // d for s in k_cache.stride())
@@ -172,23 +196,32 @@ def _decode_in_place(
     head_off = torch.arange(num_heads).div_(num_heads // kvh, rounding_mode="floor").mul_(s2)
     cols = (key_rows.unsqueeze(1) + head_off.unsqueeze(1)).view(-1)  # [B, h, width]: cache rows
     num_rows = num_seqs * num_heads
-    pattern = torch.sparse_csr_tensor(
+    csr = torch.sparse_csr_tensor(
         torch.arange(0, num_rows * width + 1, width),
         cols,
         torch.zeros(cols.shape[0], dtype=q.dtype),
         size=(num_rows, k_rows.shape[0]),
         check_invariants=False,  # valid by construction; the check costs a pass over the indices
     )
-    # beta=0 still reads the pattern's values (0 * x): they must be zeros, not garbage.
-    scores = torch.sparse.sampled_addmm(pattern, q.reshape(num_rows, d), k_rows.t(), beta=0.0, alpha=scale)
+    pad = (pos >= lens_t.unsqueeze(1)).unsqueeze(1) if padded else None
+    return _DecodePattern(csr, cols.view(num_rows, width), pad, (num_seqs, num_heads, width))
+
+
+def _decode_in_place(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, pattern: _DecodePattern, scale: float
+) -> torch.Tensor:
+    num_seqs, num_heads, width = pattern.shape
+    num_rows, d = num_seqs * num_heads, q.shape[2]
+    # beta=0 still reads the pattern's values (0 * x): they are zeros, never written.
+    scores = torch.sparse.sampled_addmm(
+        pattern.csr, q.reshape(num_rows, d), k_rows.t(), beta=0.0, alpha=scale
+    )
     s = scores.values().view(num_seqs, num_heads, width)
-    if padded:
-        s.masked_fill_((pos >= lens_t.unsqueeze(1)).unsqueeze(1), float("-inf"))
+    if pattern.pad is not None:
+        s.masked_fill_(pattern.pad, float("-inf"))
     p = s.softmax(-1)
     # Bags are the [B * h] rows of `cols`: each output row is sum_t p[t] * V[cols[t]].
-    o = F.embedding_bag(
-        cols.view(num_rows, width), v_rows, mode="sum", per_sample_weights=p.view(num_rows, width)
-    )
+    o = F.embedding_bag(pattern.cols, v_rows, mode="sum", per_sample_weights=p.view(num_rows, width))
     return o.view(num_seqs, num_heads, d)
 
 

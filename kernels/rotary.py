@@ -8,6 +8,8 @@ Scaling schemes (e.g. llama3) only change the cache, which the worker builds.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -30,17 +32,27 @@ def rotary_embedding_ref(
 
 
 def rotary_embedding_cpu(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    memo: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend's rotary: the ref's arithmetic (the same bits in float32), with q and k
     rotated as one [tokens, heads + kv_heads, head_dim] tensor when they are adjacent views of
     the fused QKV output (the model's case): a handful of ops in all, no cat, no upcast copies.
-    Returns new tensors (views of one buffer), like the ref; other dtypes run the ref."""
+    Returns new tensors (views of one buffer), like the ref; other dtypes run the ref.
+    memo: the step's scratch; the positions' cos/sin rows are looked up once per step."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
         return rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    cs = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, rot]
-    half = cs.shape[-1] // 2
-    cos, sin = cs[..., :half], cs[..., half:]
+    cached = None if memo is None else memo.get("rotary_cos_sin")
+    if cached is None:
+        cs = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, rot]
+        half = cs.shape[-1] // 2
+        cached = (cs[..., :half], cs[..., half:])
+        if memo is not None:
+            memo["rotary_cos_sin"] = cached
+    cos, sin = cached
     num_heads = q.shape[1]
     qk = _adjacent(q, k)
     if qk is None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from pagebus.workers.ops import Ops
@@ -27,3 +28,6 @@ class ForwardBatch:
     num_prefills: int = 0  # sequences with more
     seq_lens_host: list[int] | None = None  # None under a CUDA graph (values change per replay)
     query_start_loc_host: list[int] | None = None
+    # The step's scratch for the ops (`memo=`): values derived from the batch alone, built by the
+    # first layer and reused by the others. New with every ForwardBatch, so never stale.
+    step_cache: dict[str, Any] = field(default_factory=dict)

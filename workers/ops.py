@@ -1,15 +1,19 @@
 """The compute backend: which implementation of each fused op the model calls.
 
 `torch` runs the `*_cpu` functions of `kernels/`: the `*_ref` specs' results with fewer passes
-and copies (attention reads the paged cache in place; the KV write is the ref). `triton` runs the
+and copies (attention reads the paged cache in place). What depends on the batch alone (rotary's
+cos/sin rows, the KV slots, attention's sparse pattern) goes in the step's scratch
+(ForwardBatch.step_cache, passed as `memo=`): the first layer builds it, the rest reuse it. `triton` runs the
 Triton launchers (CUDA, or the interpreter in tests). The model only sees an `Ops`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,14 +32,25 @@ class Ops:
 
 def torch_ops() -> Ops:
     from pagebus.kernels.activation import silu_and_mul_cpu
-    from pagebus.kernels.kv_cache_write import write_kv_cache_ref
+    from pagebus.kernels.kv_cache_write import write_kv_cache_cpu
     from pagebus.kernels.paged_attention_cpu import paged_attention_cpu
     from pagebus.kernels.rms_norm import rms_norm_cpu
     from pagebus.kernels.rotary import rotary_embedding_cpu
 
     return Ops(
-        "torch", rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu, write_kv_cache_ref, paged_attention_cpu
+        "torch", rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu, write_kv_cache_cpu, paged_attention_cpu
     )
+
+
+def _without_memo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The model passes every op the step's scratch (`memo=`); Triton launchers take what they
+    need from the device tensors and have no use for it."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, memo: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def triton_ops() -> Ops:
@@ -45,7 +60,10 @@ def triton_ops() -> Ops:
     from pagebus.kernels.rms_norm import rms_norm
     from pagebus.kernels.rotary import rotary_embedding
 
-    return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, write_kv_cache, paged_attention)
+    return Ops(
+        "triton", rms_norm, _without_memo(rotary_embedding), silu_and_mul, _without_memo(write_kv_cache),
+        _without_memo(paged_attention),
+    )  # fmt: skip
 
 
 def select_ops(backend: str, device: torch.device) -> Ops:

@@ -55,6 +55,11 @@ def test_rotary_cpu_on_fused_qkv_views(
     _equal(got_q, ref_q)
     _equal(got_k, ref_k)
     assert torch.equal(qkv, before)
+    memo: dict = {}  # a step's layers share the cos/sin rows: the second call reuses them
+    for scale in (1.0, -2.0):
+        got = rotary_embedding_cpu(positions, q * scale, k * scale, cache, memo=memo)
+        for g_, w_ in zip(got, rotary_embedding_ref(positions, q * scale, k * scale, cache), strict=True):
+            _equal(g_, w_)
 
 
 def test_rotary_cpu_separate_tensors() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagebus.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from pagebus.kernels.kv_cache_write import write_kv_cache, write_kv_cache_cpu, write_kv_cache_ref
 
 from tests.kernels.paged_batch import DEVICE
 
@@ -62,3 +62,20 @@ def test_slots_past_int32_offsets() -> None:
         block, offset = divmod(int(slots[i]), block_size)  # index, don't reshape: that would copy 4 GiB
         torch.testing.assert_close(k_cache[block, offset], key[i].half(), rtol=0, atol=0)
         torch.testing.assert_close(v_cache[block, offset], value[i].half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("skipped", [[], [0, 5, 36]])
+def test_cpu_write_with_a_step_memo(skipped: list[int]) -> None:
+    """The torch backend's write: the ref's bits, with the slots found once for every layer."""
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(11 * 16, generator=g)[:37]
+    slots[skipped] = -1
+    memo: dict = {}
+    for _layer in range(3):
+        key, value = torch.randn(37, 3, 40, generator=g), torch.randn(37, 3, 40, generator=g)
+        k_cache, v_cache = torch.randn(11, 16, 3, 40, generator=g), torch.randn(11, 16, 3, 40, generator=g)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        write_kv_cache_ref(key, value, k_ref, v_ref, slots)
+        write_kv_cache_cpu(key, value, k_cache, v_cache, slots, memo=memo)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert "kv_write_slots" in memo

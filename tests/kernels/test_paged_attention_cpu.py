@@ -19,11 +19,24 @@ def _host(batch: PagedBatch) -> dict:
     return {"seq_lens_host": batch.seq_lens.tolist(), "query_start_loc_host": batch.query_start_loc.tolist()}
 
 
+def _next_layer(batch: PagedBatch) -> PagedBatch:
+    """The same step's next layer: its own q and caches (same shapes), the same metadata."""
+    g = torch.Generator().manual_seed(99)
+    fresh = [torch.randn(t.shape, generator=g).to(t.dtype) for t in (batch.q, batch.k_cache, batch.v_cache)]
+    return PagedBatch(*fresh, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+
+
 def _check(batch: PagedBatch, scale: float = 0.125, **kwargs) -> None:
     ref = paged_attention_ref(*batch.args(), scale)
     for extra in ({}, _host(batch)):  # tensors read back, or the step's host lists
         got = paged_attention_cpu(*batch.args(), scale, **kwargs, **extra)
         torch.testing.assert_close(got, ref, **TOL[batch.q.dtype])
+    # One memo for two layers of a step: the second reuses the first's pattern, not its values.
+    memo: dict = {}
+    layer2 = _next_layer(batch)
+    for b in (batch, layer2, batch):
+        got = paged_attention_cpu(*b.args(), scale, **kwargs, **_host(b), memo=memo)
+        torch.testing.assert_close(got, paged_attention_ref(*b.args(), scale), **TOL[b.q.dtype])
 
 
 def _contiguous(batch: PagedBatch) -> PagedBatch:
