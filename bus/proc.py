@@ -4,7 +4,9 @@ Every child starts in `_child_main`, which, before running its target:
 1. makes the kernel kill it when its parent dies (PR_SET_PDEATHSIG), with a thread watching the
    parent pid as a fallback, so no orphan keeps holding a GPU or a port;
 2. sets its process title (`pagebus::worker-0`) and a log prefix with role and rank;
-3. logs any exception from the target and exits non-zero.
+3. leaves the cores to the workers: one torch thread in the light roles, lower priority for the
+   tokenizer pool;
+4. logs any exception from the target and exits non-zero.
 
 The child then sends `Hello` at once and `Ready` after heavy init (or `StartupFailed` with the
 reason); `wait_ready` collects them while watching every child's sentinel, so a child that dies
@@ -97,6 +99,7 @@ def _child_main(
     # that it can drain in-flight work through Shutdown messages instead of losing it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(level, log_format, tag)
+    _yield_cores_to_workers(role)
     with contextlib.suppress(ImportError):  # a missing title is cosmetic
         import setproctitle
 
@@ -110,6 +113,23 @@ def _child_main(
     except BaseException:
         logger.exception("%s failed", tag)
         raise SystemExit(1) from None
+
+
+# Roles that run on the cores the workers compute on, with nothing heavy to do: a small CPU
+# engine's step is a barrier across all its threads, so a light process that preempts one of them
+# stalls the whole step. They keep one torch thread, and the tokenizer pool also yields the CPU
+# (it spawns nothing; the scheduler does not lower its priority, as its workers would inherit it).
+_NICE = {"tokenizer": 5}
+
+
+def _yield_cores_to_workers(role: str) -> None:
+    if role == "worker":
+        return
+    if "torch" in sys.modules:  # imported by the target's module; the threads start on first use
+        sys.modules["torch"].set_num_threads(1)
+    if role in _NICE:
+        with contextlib.suppress(OSError):
+            os.nice(_NICE[role])
 
 
 def install_parent_death_protection(parent_pid: int) -> None:

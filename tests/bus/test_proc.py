@@ -25,6 +25,7 @@ from pagebus.bus.proc import (
 from pagebus.bus.sockets import RuntimeDir, make_runtime_dir, make_socket
 
 from tests.bus import _children as kids
+from tests.bus import _torch_child
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -153,3 +154,21 @@ def test_grandchild_dies_with_its_parent(procs: list[BusProcess]) -> None:
     else:
         grandchild.kill()
         pytest.fail("the grandchild outlived its parent by 5 s")
+
+
+def torch_default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_light_roles_leave_the_cores_to_workers(procs: list[BusProcess]) -> None:
+    """The tokenizer pool runs at lower priority with one torch thread; a worker keeps both."""
+    out = CTX.Queue()
+    base = os.nice(0)
+    procs.append(spawn(_torch_child.report_cores, "tokenizer-0", "tokenizer", 0, (out,)))
+    procs.append(spawn(_torch_child.report_cores, "worker-0", "worker", 0, (out,)))
+    got = sorted([out.get(timeout=60), out.get(timeout=60)])
+    (worker_nice, worker_threads), (tok_nice, tok_threads) = got
+    assert worker_nice == base and tok_nice > base
+    assert tok_threads == 1 and worker_threads == torch_default_threads()
