@@ -266,9 +266,12 @@ def _prefill(
     qt = q.transpose(0, 1)  # [h, qlen, d]
     if q.dtype not in _SPARSE_DTYPES:  # the ref's precision: fp32 products and softmax
         qt, k, v = qt.float(), k.float(), v.float()
-    if qlen == seq_len:  # no prefix: plain causal, SDPA's fused path
+    # A batch of one: SDPA runs its fused CPU (flash) kernel only on 4-d inputs; 3-d ones take the
+    # unfused math path, 3-15x slower at this model's prefill shapes (fp32, 64-512 tokens).
+    qt, k, v = qt.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if qlen == seq_len:  # no prefix: plain causal
         o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query j sees keys 0 .. seq_len - qlen + j
         mask = torch.arange(seq_len) <= torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
         o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1).to(q.dtype)
+    return o[0].transpose(0, 1).to(q.dtype)
