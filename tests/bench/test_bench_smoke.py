@@ -84,3 +84,11 @@ def test_sampler() -> None:
         r["new_us_per_row"] > 0 and r["old_us_per_row"] > 0 and r["speedup"] > 0 for r in out["results"]
     )
     assert out["torch"] and out["threads"] == 1
+
+
+def test_linear_layout() -> None:
+    out = run_bench("linear_layout", "--rows", "1", "4", "--rounds", "1")
+    assert set(out["results"]) == {"qkv", "o", "gate_up", "down", "lm_head"} and out["cpu_flags"] is not None
+    for by_rows in out["results"].values():
+        assert set(by_rows) == {"1", "4"}
+        assert all(r["checkpoint_gflops"] > 0 and r["transposed_gflops"] > 0 for r in by_rows.values())
