@@ -7,8 +7,8 @@ mask: `GrammarStates.mask` (matcher catch-up, bitmask fill, apply on the logits 
 real JSON document of the bench schema, tokenized; microseconds per constrained row per step,
 the median over the document's tokens, for each batch size. compile: the schema's first compile
 (the worker's background thread) and a cached lookup. throughput: `LLM.generate` of
---num-requests greedy requests, constrained by the schema or free (ignore_eos, the same
-max_tokens as the longest constrained output), interleaved A/B/A/B; output tokens per second.
+--num-requests greedy requests, constrained by the schema or free (ignore_eos, each row as many
+tokens as its constrained twin), interleaved A/B/A/B; output tokens per second.
 """
 
 from __future__ import annotations
@@ -106,13 +106,14 @@ def throughput(model: str, num: int, max_tokens: int, repeats: int) -> dict[str,
     llm.generate(prompts[:2], constrained, use_tqdm=False)  # compile and warm up
     runs: dict[str, list[float]] = {"constrained": [], "free": []}
     lengths: list[int] = []
-    free_tokens = max_tokens
     for _ in range(repeats):
         for kind in ("constrained", "free"):
-            params = (
-                constrained
+            # free rows run exactly as many tokens as their constrained twins (ignore_eos), so
+            # both batches shrink the same way and only the constraint's cost differs
+            params: list[SamplingParams] = (
+                [constrained] * num
                 if kind == "constrained"
-                else SamplingParams(temperature=0.0, max_tokens=free_tokens, ignore_eos=True)
+                else [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
             )
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -120,7 +121,6 @@ def throughput(model: str, num: int, max_tokens: int, repeats: int) -> dict[str,
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             if kind == "constrained":
                 lengths = [len(o.outputs[0].token_ids) for o in outs]
-                free_tokens = max(lengths)
             runs[kind].append(n / dt)
             log.info("%s: %.1f tok/s", kind, n / dt)
     c, f = statistics.median(runs["constrained"]), statistics.median(runs["free"])

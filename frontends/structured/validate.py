@@ -49,7 +49,12 @@ _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[18:24:37] /project/cpp/
 
 def check_structured(c: StructuredOutputsParams) -> None:
     """Raise ParamError naming what is wrong with `c`; cached per distinct constraint."""
-    _check_cached(json_schema_text(c), c.regex, tuple(c.choice) if c.choice is not None else None, c.grammar)
+    try:
+        _check_cached(
+            json_schema_text(c), c.regex, tuple(c.choice) if c.choice is not None else None, c.grammar
+        )
+    except RecursionError:
+        raise ParamError("the constraint is nested too deeply", PARAM) from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -113,6 +118,6 @@ def unsupported_keyword(node: Any, path: str) -> None:
 def _convert(build: Any, what: str) -> None:
     try:
         build()
-    except (RuntimeError, ValueError) as e:
+    except Exception as e:  # whatever xgrammar raises, the request is what is wrong
         msg = _XGR_PREFIX.sub("", str(e).strip())
         raise ParamError(f"invalid {what}: {msg}", PARAM) from None
