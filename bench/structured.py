@@ -151,7 +151,7 @@ def main() -> None:
 
     model = resolve_model(args.model)
     masks, compile_times = mask_cost(model, args.batch_sizes)
-    result: dict[str, Any] = {"engine": "xgrammar", "mask": masks, **compile_times}
+    result: dict[str, Any] = {"bench": "structured", "engine": "xgrammar", "mask": masks, **compile_times}
     if not args.skip_throughput:
         result["throughput"] = throughput(model, args.num_requests, args.max_tokens, args.repeats)
     emit(result)
