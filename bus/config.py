@@ -20,9 +20,9 @@ LoadFormat = Literal["auto", "dummy"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 SpecMethod = Literal["ngram", "draft_model"]
-# Running sequences above which a step does not speculate: measured by bench/spec_decode.py on
-# the default model (2-core CPU, n-gram k=4), where verifying k extra positions per sequence
-# stops paying for itself.
+# Running sequences above which a step does not speculate, where verifying k extra positions per
+# sequence stops paying for itself once a step is compute-bound. A conservative default:
+# bench/spec_decode.py's batch sweep on a loaded shared 2-core CPU did not resolve the crossover.
 DEFAULT_SPEC_DISABLE_BATCH_SIZE = 4
 
 
