@@ -20,10 +20,11 @@ LoadFormat = Literal["auto", "dummy"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 SpecMethod = Literal["ngram", "draft_model"]
-# Running sequences above which a step does not speculate, where verifying k extra positions per
-# sequence stops paying for itself once a step is compute-bound. A conservative default:
-# bench/spec_decode.py's batch sweep on a loaded shared 2-core CPU did not resolve the crossover.
-DEFAULT_SPEC_DISABLE_BATCH_SIZE = 4
+# Running sequences above which a step does not speculate (verifying k extra positions per
+# sequence stops paying once a step is compute-bound). bench/spec_decode.py on the default model
+# (2-core CPU, n-gram k=4, half rewrite / half free prompts) still gained 1.2x at 8 and 16
+# sequences (bench/results/spec_decode_cpu.json), so speculation stays on up to 16.
+DEFAULT_SPEC_DISABLE_BATCH_SIZE = 16
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
