@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -157,9 +159,9 @@ def test_grandchild_dies_with_its_parent(procs: list[BusProcess]) -> None:
 
 
 def torch_default_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    """What a fresh interpreter gets (this test process may have changed its own)."""
+    code = "import torch; print(torch.get_num_threads())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
 
 
 def test_light_roles_leave_the_cores_to_workers(procs: list[BusProcess]) -> None:
