@@ -42,9 +42,7 @@ def test_wheel_has_one_top_level_import_name(wheel: Path) -> None:
     assert not any(n.startswith(("pagebus/tests/", "pagebus/bench/")) for n in names)
 
 
-def test_installed_wheel_imports_and_runs_without_the_source_tree(
-    wheel: Path, tmp_path: Path
-) -> None:
+def test_installed_wheel_imports_and_runs_without_the_source_tree(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
