@@ -122,8 +122,10 @@ def test_request_contents_are_logged_only_with_log_requests(
     with caplog.at_level(logging.INFO, logger="pagebus.http"):
         res = asyncio.run(call(app, "POST", "/v1/completions", {"prompt": "secret-prompt", "max_tokens": 3}))
     assert res.status == 200
-    start, end = (r for r in caplog.records if r.getMessage().startswith("request "))
+    # Only this request's records: a server left by an earlier test may still be logging.
+    mine = [r for r in caplog.records if getattr(r, "request_id", None) == res.json()["id"]]
+    start, end = (r for r in mine if r.getMessage().startswith("request "))
     assert start.request_id == end.request_id and str(start.request_id).startswith("cmpl-")  # type: ignore[attr-defined]
-    text = "\n".join(r.getMessage() for r in caplog.records)
+    text = "\n".join(r.getMessage() for r in mine)
     assert ("secret-prompt" in text) == log_requests
     assert ("prompts" in start.__dict__) == log_requests and ("outputs" in end.__dict__) == log_requests
