@@ -180,7 +180,7 @@ def test_watchdog_pings_at_half_the_interval(served: Served) -> None:
 
 
 def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
-    """A 640-token prompt prefills in 16-token chunks on a worker stopped for a quarter of a stall
+    """An 1800-token prompt prefills in 16-token chunks on a worker stopped for a quarter of a stall
     timeout before each step (for 2.5 stall timeouts, then at full speed): no token for over two
     stall timeouts, but every step finishes within one."""
     w = served.worker()
@@ -208,7 +208,9 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
             states.append(served.health()[0])
             stop.wait(0.2)
 
-    prompt = " ".join(["hello world"] * 320)
+    # 1800 tokens, 113 steps of 16: enough left to slow down once the first step is seen, even
+    # on a quiet machine where a full-speed step of this tiny model takes milliseconds.
+    prompt = " ".join(["hello world"] * 900)
     threads = [threading.Thread(target=slow_worker), threading.Thread(target=watch_health)]
     first = steps()
     t0 = time.monotonic()
