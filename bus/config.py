@@ -56,7 +56,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     attention_backend: AttentionBackend = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     num_threads: int | None = None  # torch intra-op threads in the worker; None: torch's default
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks that split every layer (one worker process each)
+    pipeline_parallel_size: int = 1  # contiguous layer stages; workers = tensor x pipeline
     load_format: LoadFormat = "auto"  # dummy: config.json only, small random weights (benchmarks)
     # Decode batch sizes captured as CUDA graphs (vLLM's name): [] is 1, 2, 4, then multiples of
     # 8 up to 512; one value N is that pattern up to N; several are used as given. Sizes above
@@ -88,6 +89,12 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
     need(cfg.max_num_seqs > 0, "max_num_seqs must be positive")
     need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+    need(cfg.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
+    sc, world = cfg.speculative_config, cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    need(
+        sc is None or sc.method != "draft_model" or world == 1,
+        "speculative_config: a draft model runs on one worker only; use tensor/pipeline_parallel_size 1",
+    )
     need(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads must be >= 1")
     need(all(n > 0 for n in cfg.cuda_graph_sizes), "cuda_graph_sizes must be positive")
     need(cfg.max_request_tokens is None or cfg.max_request_tokens > 0, "max_request_tokens must be positive")
