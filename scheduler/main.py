@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from pagebus.bus.messages import (
     FinishReason,
     FromWorker,
     Hello,
+    ModelFacts,
     Ready,
     SeqUpdate,
     Shutdown,
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 LINGER_MS = 2_000
 SEND_TIMEOUT_S = 30.0  # a pool that stops reading for this long is as good as dead
 RING_TIMEOUT_S = 60.0
+DIST_ADDR = "127.0.0.1"  # one box: the rendezvous listens on the loopback only
 INBOUND_HWM = 10_000  # ROUTER input: per-pool pipe; senders block (not drop) when it is full
 
 
@@ -64,19 +67,22 @@ def scheduler_main(
     ctx: zmq.Context[Any] = zmq.Context()
     hs = Channel(make_socket(ctx, zmq.PUSH, addrs["handshake"], bind=False, linger_ms=LINGER_MS))
     hs.send(Hello(version=PROTOCOL_VERSION, role="scheduler", rank=0, pid=os.getpid()))
-    ring = ShmRingWriter(cfg.tensor_parallel_size, addrs["ring"], ctx=ctx)
+    world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    ring = ShmRingWriter(world, addrs["ring"], ctx=ctx)
     results = Channel.open(ctx, zmq.PULL, addrs["worker_out"], bind=True, recv_type=FromWorker)
     whs = make_socket(ctx, zmq.PULL, addrs["worker_handshake"], bind=True, linger_ms=0)
     ring_handle = msgspec.msgpack.encode(ring.handle)
+    dist_port = _free_port() if world > 1 else 0  # the workers' torch.distributed rendezvous
     workers = [
         spawn(
             worker_target,
             f"worker-{r}",
             "worker",
             r,
-            (cfg_bytes, model_path, r, ring_handle, addrs["worker_handshake"], addrs["worker_out"]),
+            (cfg_bytes, model_path, r, ring_handle, addrs["worker_handshake"], addrs["worker_out"])
+            + ((DIST_ADDR, dist_port) if world > 1 else ()),
         )
-        for r in range(cfg.tensor_parallel_size)
+        for r in range(world)
     ]
     outs = {
         f"tok-{i}".encode(): Channel(make_socket(ctx, zmq.PUSH, addrs[f"tok_step_{i}"], bind=False))
@@ -90,9 +96,7 @@ def scheduler_main(
             role, rank = (e.role, e.rank) if e.role is not None and e.rank is not None else ("scheduler", 0)
             hs.send(StartupFailed(role=role, rank=rank, reason=str(e)))
             raise
-        f0 = ready[("worker", 0)].model
-        if f0 is None:
-            raise StartupError("worker 0 sent Ready without its model facts (protocol error)")
+        f0 = _model_facts(ready, world, cfg.tensor_parallel_size)
         sched = Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id)
         inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
         pids = [p.pid or 0 for p in workers]
@@ -123,6 +127,25 @@ def scheduler_main(
         ctx.term()
     if code:
         raise SystemExit(code)
+
+
+def _free_port() -> int:
+    """A TCP port free on the loopback now (the rank-0 worker binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind((DIST_ADDR, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _model_facts(ready: dict[tuple[str, int], Ready], world: int, tp: int) -> ModelFacts:
+    """The result rank's facts, with the KV block count every rank can hold: one block id names
+    the same block in each rank's cache (each holding its own heads and layers)."""
+    facts = [ready[("worker", r)].model for r in range(world)]
+    present = [f for f in facts if f is not None]
+    if len(present) != world:
+        raise StartupError("a worker sent Ready without its model facts (protocol error)")
+    blocks = min(f.num_kv_blocks for f in present)
+    return msgspec.structs.replace(present[world - tp], num_kv_blocks=blocks)
 
 
 class _Loop:

@@ -1,7 +1,9 @@
 """The worker process: a thin loop around ModelRunner.
 
 Hello -> load the model -> Ready(model facts) -> read ExecuteBatch from the scheduler's shm ring ->
-execute -> rank 0 sends BatchResult back over ZMQ. Shutdown on the ring ends it with exit 0; any
+execute -> the result rank (tp rank 0 of the last pipeline stage) sends BatchResult back over ZMQ.
+With tensor/pipeline parallelism every rank reads the same step plan from the ring and runs its
+part of the model; the ranks meet in torch.distributed collectives (workers/distributed/). Shutdown on the ring ends it with exit 0; any
 exception exits non-zero after saying why (with linger, so it leaves): StartupFailed on the
 handshake channel before Ready, WorkerFailed on the results channel after.
 
@@ -45,7 +47,14 @@ LINGER_MS = 2_000  # the last message (StartupFailed, WorkerFailed) must get out
 
 
 def worker_main(
-    cfg_bytes: bytes, model_path: str, rank: int, ring: bytes, handshake_ep: str, out_ep: str
+    cfg_bytes: bytes,
+    model_path: str,
+    rank: int,
+    ring: bytes,
+    handshake_ep: str,
+    out_ep: str,
+    dist_addr: str = "127.0.0.1",
+    dist_port: int = 0,
 ) -> None:
     """Entry point (module level so `bus.proc.spawn` can import it)."""
     cfg = msgspec.msgpack.decode(cfg_bytes, type=EngineConfig)
@@ -57,7 +66,7 @@ def worker_main(
     runner: ModelRunner | None = None  # set once the model is loaded and Ready is sent
     try:
         hs.send(Hello(version=PROTOCOL_VERSION, role=ROLE, rank=rank, pid=os.getpid()))
-        runner = _load(cfg, model_path, rank, hs)
+        runner = _load(cfg, model_path, rank, hs, dist_addr, dist_port)
         _serve(runner, rank, handle, out)
     except BaseException as e:  # report every failure, then exit non-zero
         log.error("worker %d failed:\n%s", rank, traceback.format_exc())
@@ -79,15 +88,28 @@ def worker_main(
         raise SystemExit(code)
 
 
-def _load(cfg: EngineConfig, model_path: str, rank: int, hs: Channel) -> ModelRunner:
-    """Load the model and size the KV cache, then send Ready with what that found."""
+def _load(
+    cfg: EngineConfig, model_path: str, rank: int, hs: Channel, dist_addr: str, dist_port: int
+) -> ModelRunner:
+    """Join the process group, load this rank's part of the model and size its KV cache, then
+    send Ready with what that found."""
     # Heavy import here, after Hello: the parent learns at once that the process started.
     t0 = time.monotonic()
     import torch
+    from pagebus.workers.device import pick_device
+    from pagebus.workers.distributed.layout import Layout
+    from pagebus.workers.distributed.state import init_distributed
     from pagebus.workers.runner import ModelRunner
 
     imports = time.monotonic() - t0
-    runner = ModelRunner(cfg, model_path, rank)  # sets torch threads from cfg.num_threads
+    layout = Layout(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
+    device = pick_device(cfg, rank)
+    if layout.world_size > 1 and cfg.num_threads is None and device.type == "cpu":
+        # Ranks on one CPU share its cores; more threads than cores makes every step wait for
+        # the slowest preempted thread, in every collective.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+    parallel = init_distributed(layout, dist_addr, dist_port, device)
+    runner = ModelRunner(cfg, model_path, rank, parallel)  # sets torch threads from cfg.num_threads
     facts = ModelFacts(
         num_kv_blocks=runner.num_blocks,
         max_model_len=runner.max_model_len,
@@ -111,7 +133,7 @@ def _serve(runner: ModelRunner, rank: int, handle: RingHandle, out: Channel) -> 
             match msg:
                 case ExecuteBatch():
                     result: BatchResult = runner.execute(msg)  # the model's forward is inference_mode
-                    if rank == 0:
+                    if rank == runner.parallel.layout.result_rank:
                         out.send(result)
                 case Shutdown():
                     log.info("worker %d: shutdown", rank)

@@ -34,6 +34,8 @@ from pagebus.workers.device import (
     pick_dtype,
     profiled_kv_budget,
 )
+from pagebus.workers.distributed.layout import local_kv_config
+from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
 from pagebus.workers.input_batch import InputBuffers, StepTensors
 from pagebus.workers.loader import (
@@ -56,6 +58,7 @@ from pagebus.workers.structured import GrammarStates
 log = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+SampleOut = tuple[list[int], list[TokenLogprobs | None]]
 
 
 @dataclass
@@ -124,20 +127,24 @@ def _plain_greedy(s: _Seq) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_path: str, rank: int = 0) -> None:
+    def __init__(
+        self, cfg: EngineConfig, model_path: str, rank: int = 0, parallel: Parallel | None = None
+    ) -> None:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         t0 = time.monotonic()
         self.cfg = cfg
+        self.parallel = parallel or SINGLE  # this rank's share of the model and its groups
         self.device = pick_device(cfg, rank)
         self.dtype = pick_dtype(cfg, self.device)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.set_device(self.device)
         allocated_before = torch.cuda.memory_allocated(self.device) if on_cuda else 0
-        self.model, self.model_config = load_model(
-            model_path, self.dtype, self.device, cfg.load_format, cfg.seed
-        )
+        with building(self.parallel):  # parallel layers take this rank's slices
+            self.model, self.model_config = load_model(
+                model_path, self.dtype, self.device, cfg.load_format, cfg.seed
+            )
         t_weights = time.monotonic()
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before if on_cuda else 0
         mc = self.model_config
@@ -171,12 +178,14 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the stand-in cache and activations go back before measuring
             budget = profiled_kv_budget(cfg, self.device, profile)
         t_profile = time.monotonic()
-        self.num_blocks = num_kv_blocks(cfg, mc, self.dtype, self.device, budget)
-        shape = (self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        kv_mc = local_kv_config(mc, self.parallel)  # this rank's KV heads and layers
+        self.num_blocks = num_kv_blocks(cfg, kv_mc, self.dtype, self.device, budget)
+        shape = (self.num_blocks, cfg.block_size, kv_mc.num_kv_heads, mc.head_dim)
+        held = self.parallel.layout.layers(mc.num_layers)
         self.kv_caches: KVCaches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_layers)
+            (torch.zeros(shape if i in held else 0, dtype=self.dtype, device=self.device),
+             torch.zeros(shape if i in held else 0, dtype=self.dtype, device=self.device))
+            for i in range(mc.num_layers)
         ]  # fmt: skip
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
@@ -215,6 +224,9 @@ class ModelRunner:
         if cfg.enforce_eager:
             log.info("CUDA graphs off: enforce_eager")
             return []
+        if self.parallel.layout.world_size > 1:  # collectives inside a capture: not validated yet
+            log.info("CUDA graphs off: tensor/pipeline parallelism")
+            return []
         if self.ops.name != "triton":
             log.info("CUDA graphs off: the %s attention backend is not capturable", self.ops.name)
             return []
@@ -225,7 +237,7 @@ class ModelRunner:
         max_num_seqs sequences, all sampling) and of a decode step at the largest graph size,
         run against a one-block stand-in KV cache: activations do not depend on its size."""
         mc, cfg, dev = self.model_config, self.cfg, self.device
-        one = (1, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        one = (1, cfg.block_size, local_kv_config(mc, self.parallel).num_kv_heads, mc.head_dim)
         k, v = torch.zeros(one, dtype=self.dtype, device=dev), torch.zeros(one, dtype=self.dtype, device=dev)
         dummy_kv = [(k, v)] * mc.num_layers
         tokens = cfg.max_num_batched_tokens
@@ -275,7 +287,7 @@ class ModelRunner:
             max(qlens), max(qlens), sum(q == 1 for q in qlens), sum(q > 1 for q in qlens), qlens, starts
         )
         logits = self.model(self._forward_batch(t, meta, t.logits_indices, kv_caches))
-        if not sample:
+        if not sample or logits is None:  # None: a pipeline stage before the last
             return
         # The sampler's costliest path, on a throwaway instance (its call counter keys noise).
         p = SamplingParams(
@@ -461,8 +473,19 @@ class ModelRunner:
         self, logits: torch.Tensor, sampling: list[str]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         if all(_plain_greedy(self.seqs[i]) for i in sampling):
-            return self._greedy_ids(logits), [None] * len(sampling)
-        return self.sampler(logits, [self._sample_row(i) for i in sampling])
+            return self._from_last_stage(lambda: (self._greedy_ids(logits), [None] * len(sampling)))
+        return self._from_last_stage(lambda: self.sampler(logits, [self._sample_row(i) for i in sampling]))
+
+    def _from_last_stage(self, sample: Callable[[], SampleOut]) -> SampleOut:
+        """What the last pipeline stage sampled, on every rank (each keeps its sequences' tokens
+        for the next step's inputs). Tensor-parallel ranks of one stage all hold the gathered
+        logits and sample them alike, so without stages there is nothing to send."""
+        if self.parallel.layout.pp_size == 1:
+            return sample()
+        out: SampleOut = self.parallel.broadcast_object(
+            sample() if self.parallel.layout.is_last_stage else None
+        )
+        return out
 
     def _verify(self, step_id: int, logits: torch.Tensor, sampling: list[str]) -> BatchResult:
         """Sample every verified position (1 + k logits rows per drafting seq) and keep each
@@ -477,9 +500,9 @@ class ModelRunner:
             )
         lps: list[TokenLogprobs | None]
         if all(_plain_greedy_row(r) for r in rows):
-            sampled, lps = self._greedy_ids(logits), [None] * len(rows)
+            sampled, lps = self._from_last_stage(lambda: (self._greedy_ids(logits), [None] * len(rows)))
         else:
-            sampled, lps = self.sampler(logits, rows)
+            sampled, lps = self._from_last_stage(lambda: self.sampler(logits, rows))
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         counts: list[int] = []

@@ -9,7 +9,13 @@ layer's all-reduce sums the partial products whatever their widths.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagebus.workers.distributed.state import Parallel
+    from pagebus.workers.model_config import ModelConfig
 
 
 class UnsplittableModelError(ValueError):
@@ -106,3 +112,10 @@ class Layout:
 
     def describe(self) -> str:
         return f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size})"
+
+
+def local_kv_config(mc: ModelConfig, parallel: Parallel) -> ModelConfig:
+    """The model config as this rank's KV cache sees it: its KV heads and its stage's layers."""
+    lay = parallel.layout
+    heads = split_heads(mc.num_heads, mc.num_kv_heads, lay.tp_size, lay.tp_rank)
+    return dataclasses.replace(mc, num_kv_heads=heads.num_kv, num_layers=len(lay.layers(mc.num_layers)))
