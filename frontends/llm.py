@@ -33,13 +33,15 @@ class LLM:
         self, model: str | None = None, multiprocess: bool = False, tokenizer_workers: int = 1, **kwargs: Any
     ) -> None:
         """`multiprocess=True` runs the engine in its own processes (tokenizer processes, scheduler,
-        worker), as the server does; every method returns the same outputs."""
+        workers), as the server does, and so does any tensor_parallel_size or
+        pipeline_parallel_size above 1; every method returns the same outputs."""
         cfg = make_engine_config(model=model, **kwargs)
         path = resolve_model(cfg.model)
         self.config: EngineConfig = msgspec.structs.replace(cfg, model=path)
         self.tokenizer = Tokenizer(tokenizer_dir(cfg.tokenizer or path))
         self.engine: Engine
-        if multiprocess:
+        # One worker process per rank: tensor/pipeline parallelism always runs as processes.
+        if multiprocess or cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
             from pagebus.frontends.engine.sync_client import MultiprocEngine
 
             self.engine = MultiprocEngine(self.config, tokenizer_workers)
