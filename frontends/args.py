@@ -19,7 +19,10 @@ _HELP = {
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "attention_backend": "auto: Triton on CUDA, torch on CPU",
+    "tensor_parallel_size": "worker processes that each hold 1/N of every layer",
+    "pipeline_parallel_size": "contiguous layer stages, one worker group each",
 }
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}  # vLLM's short flags
 
 
 def _scalar_type(annotation: Any) -> tuple[Any, list[str] | None]:
@@ -41,6 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     for name in EngineConfig.__struct_fields__:
         flag = "--" + name.replace("_", "-")
+        flags = [flag, _SHORT[name]] if name in _SHORT else [flag]
         typ, choices = _scalar_type(hints[name])
         default = getattr(defaults, name)
         help_text = _HELP.get(name, "") + (f" (default: {default})" if default is not None else "")
@@ -50,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             (item,) = typing.get_args(typ)
             group.add_argument(flag, type=item, nargs="+", default=None, help=help_text)
         else:
-            group.add_argument(flag, type=typ, choices=choices, default=None, help=help_text)
+            group.add_argument(*flags, type=typ, choices=choices, default=None, help=help_text)
     group.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
