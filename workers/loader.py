@@ -139,6 +139,15 @@ def load_weights(model: nn.Module, weights: WeightIter) -> None:
     missing = set(params) - loaded - tied
     if missing:
         raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+    finish_loading(model)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Let each layer's quant method repack once all of its shards are in."""
+    for m in model.modules():
+        done = getattr(m, "process_after_loading", None)
+        if done is not None:
+            done()
 
 
 def _default_loader(param: nn.Parameter, w: torch.Tensor, shard: object) -> None:

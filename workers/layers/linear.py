@@ -2,13 +2,17 @@
 
 A fused layer (QKV, gate+up) holds several checkpoint matrices stacked along the output
 dimension; `weight_loader(param, tensor, shard)` copies a checkpoint tensor into its rows.
-Tensor parallelism will slice here too, so models never branch on it.
+Tensor-parallel layers (parallel.py) say which slice of a checkpoint tensor they keep
+(`checkpoint_rows`, `checkpoint_cols`), and loading cuts it here, so models never branch on it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from pagebus.workers.layers.quant.base import LinearMethod, current_linear_method_factory
 from torch import nn
 
 
@@ -30,38 +34,109 @@ def _weight_storage(out_features: int, in_features: int) -> torch.Tensor:
     return w
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b). Output rows are split into named shards when fused."""
+class UnquantizedLinearMethod(LinearMethod):
+    """The checkpoint's values in the default dtype, in `_weight_storage`'s layout; F.linear."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str | int, int], bias: bool = False) -> None:
+    def create_weights(self, layer: Linear, in_features: int, out_features: int) -> None:
+        layer.weight = nn.Parameter(_weight_storage(out_features, in_features), requires_grad=False)
+        layer.weight.weight_loader = layer.load_weight  # type: ignore[attr-defined]
+
+    def load(self, layer: Linear, w: Any, shard: str | int | None) -> None:
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"unquantized linear: cannot load a {type(w).__name__}; pass --quantization")
+        layer.copy_rows(layer.weight.data, w, shard)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Output rows are split into named shards when fused.
+
+    How W is held and multiplied is `quant_method`'s business (see quant/base.py): the
+    argument, else the loader's choice for this checkpoint, else the unquantized method.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str | int, int],
+        bias: bool = False,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
         self.shard_offsets: dict[str | int, tuple[int, int]] = {}
         offset = 0
         for key, size in shard_sizes.items():
             self.shard_offsets[key] = (offset, size)
             offset += size
-        self.weight = nn.Parameter(_weight_storage(offset, in_features), requires_grad=False)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self.in_features, self.out_features = in_features, offset
+        if quant_method is None:
+            factory = current_linear_method_factory()
+            quant_method = factory(self) if factory is not None else UnquantizedLinearMethod()
+        self.quant_method = quant_method
+        quant_method.create_weights(self, in_features, offset)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(offset), requires_grad=False)
-            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
 
-    def _load(self, param: nn.Parameter, w: torch.Tensor, shard: str | int | None) -> None:
+    # Tensor parallelism (layers/parallel.py): the first checkpoint row each shard keeps, and the
+    # first input column; unset, the layer keeps the whole checkpoint tensor.
+    checkpoint_rows: dict[str | int, int] = {}  # noqa: RUF012 (read-only default)
+    checkpoint_cols: int | None = None
+
+    def select_checkpoint_part(self, w: Any, shard: str | int | None) -> Any:
+        """This rank's part of a checkpoint tensor (a shard's, or the whole matrix's when shard is
+        None): rows [checkpoint_rows[shard], + the shard's size), columns [checkpoint_cols, +
+        in_features). Anything with torch's `narrow` slices, so a quantized format can too."""
+        if self.checkpoint_rows:
+            key = shard if shard is not None else next(iter(self.shard_offsets))
+            size = self.shard_offsets[key][1] if shard is not None else self.out_features
+            w = w.narrow(0, self.checkpoint_rows[key], size)
+        if self.checkpoint_cols is not None and w.dim() == 2:
+            w = w.narrow(1, self.checkpoint_cols, self.in_features)
+        return w
+
+    def load_weight(self, param: nn.Parameter, w: Any, shard: str | int | None) -> None:
+        """The `weight_loader` of the layer's weight: the quant method places this rank's part."""
+        self.quant_method.load(self, self.select_checkpoint_part(w, shard), shard)
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, shard: str | int | None) -> None:
+        """Copy a checkpoint tensor into dst's rows for `shard` (all rows when None)."""
         if shard is None:
-            _copy_checked(param.data, w, "linear")
+            _copy_checked(dst, src, "linear")
             return
         start, size = self.shard_offsets[shard]
-        _copy_checked(param.data.narrow(0, start, size), w, f"linear shard {shard}")
+        _copy_checked(dst.narrow(0, start, size), src, f"linear shard {shard}")
+
+    def _load_bias(self, param: nn.Parameter, w: torch.Tensor, shard: str | int | None) -> None:
+        self.copy_rows(param.data, self.select_checkpoint_part(w, shard), shard)
+
+    def process_after_loading(self) -> None:
+        self.quant_method.process_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x)
 
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+        self._head: Linear | None = None
+
+    def tie_to(self, head: Linear) -> None:
+        """Share the LM head's matrix: one Parameter (so the checkpoint's single tensor loads
+        once, through the head's method), looked up through the head's method, since a
+        quantized head holds packed rows, not values. Quant methods keep `weight`'s identity."""
+        self.weight = head.weight
+        self.__dict__["_head"] = head  # a plain reference: not a submodule, no duplicate names
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._head is not None:
+            return self._head.quant_method.embed(self._head, ids)
         return F.embedding(ids, self.weight)
