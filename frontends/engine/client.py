@@ -109,6 +109,8 @@ class AsyncEngineClient:
             startup_seconds=time.monotonic() - t0,
             startup_phases=dict(ready.model.startup_phases),
             limits=request_limits(cfg, ready.model.num_kv_blocks),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            pipeline_parallel_size=cfg.pipeline_parallel_size,
         )
         log.info("engine ready in %.1fs: %s", info.startup_seconds, info)
         self = cls(launcher, info, pull)

@@ -39,6 +39,8 @@ class EngineInfo:
     startup_seconds: float
     startup_phases: dict[str, float] = field(default_factory=dict)  # worker 0's, by phase
     limits: RequestLimits | None = None  # per-request bounds in force (bus.config.request_limits)
+    tensor_parallel_size: int = 1  # the layout of the worker processes, for /metrics
+    pipeline_parallel_size: int = 1
 
 
 class Engine(Protocol):

@@ -78,7 +78,10 @@ class App:
         self, client: AsyncEngine, settings: Settings, token_text: Callable[[int], str] = str
     ) -> None:
         self.client, self.settings, self.token_text = client, settings, token_text
-        self.metrics = Metrics(lambda: client.latest_stats)
+        info = client.info
+        self.metrics = Metrics(
+            lambda: client.latest_stats, info.tensor_parallel_size, info.pipeline_parallel_size
+        )
         self.num_waiting = 0
         self.draining = False  # set by the server on SIGTERM: /health turns 503, new work is refused
         # Set by the server: why the engine counts as stalled (None: it is not), and whether

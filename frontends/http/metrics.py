@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from pagebus.bus.messages import SchedulerStats
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -88,10 +88,22 @@ def _spec_decode_metrics(s: SchedulerStats) -> Iterator[Metric]:
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], SchedulerStats | None],
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(stats))
         r = self.registry
+        # pagebus:parallel_config_info{tensor_parallel_size="2",pipeline_parallel_size="1"} 1.0
+        Info("pagebus:parallel_config", "Worker layout: tensor x pipeline ranks", registry=r).info(
+            {
+                "tensor_parallel_size": str(tensor_parallel_size),
+                "pipeline_parallel_size": str(pipeline_parallel_size),
+            }
+        )
         self.prompt_tokens = Counter("pagebus:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("pagebus:generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter(
