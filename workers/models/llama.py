@@ -3,13 +3,25 @@
 Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm) are the same decoder with a flag each;
 their files only name the flags. QKV and gate/up are fused; `checkpoint_name_map` routes
 the checkpoint's separate matrices into the fused parameters.
+
+Tensor parallelism lives in the layers (layers/parallel.py): each keeps its rank's slice, so
+this file never asks for a rank. Pipeline parallelism is the one split made here: a stage
+builds only its contiguous layers (plus the embedding on the first stage, the norm and head on
+the last), receives the hidden state and residual from the previous stage and sends them on.
 """
 
 from __future__ import annotations
 
 import torch
+from pagebus.workers.distributed.state import current
 from pagebus.workers.forward_batch import ForwardBatch
-from pagebus.workers.layers.linear import Embedding, Linear
+from pagebus.workers.layers.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from pagebus.workers.layers.rotary import build_cos_sin_cache
 from pagebus.workers.model_config import ModelConfig
 from torch import nn
@@ -39,13 +51,15 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(
-            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, {0: cfg.hidden_size})
+        heads = self.qkv_proj.heads  # this rank's
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_q, heads.num_kv, cfg.head_dim
+        self.q_size = heads.num_q * cfg.head_dim
+        self.kv_size = heads.num_kv * cfg.head_dim
+        q_cols = (heads.q_start * cfg.head_dim, self.q_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, in_split=q_cols)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -76,8 +90,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size})
-        self.down_proj = Linear(cfg.intermediate_size, {0: cfg.hidden_size})
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.down_proj(fb.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -106,14 +120,36 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.parallel = current()
+        stage = self.parallel.layout
+        self.held = stage.layers(cfg.num_layers)
+        self.hidden_size = cfg.hidden_size
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if stage.is_first_stage else None
+        )
+        # Other stages' layers are empty placeholders, so layer i keeps its name and KV cache index.
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i) if i in self.held else nn.Identity() for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last_stage else None
 
-    def forward(self, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(fb.input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, fb, cos_sin)
+    def forward(self, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states on the last stage; None on the others (sent on instead)."""
+        residual: torch.Tensor | None
+        if self.embed_tokens is not None:
+            x, residual = self.embed_tokens(fb.input_ids), None
+        else:
+            first = self.layers[self.held[0]].input_layernorm.weight
+            shape = (fb.input_ids.shape[0], self.hidden_size)
+            x, residual = self.parallel.recv_prev(
+                [torch.empty(shape, dtype=first.dtype, device=first.device) for _ in range(2)]
+            )
+        for i in self.held:
+            x, residual = self.layers[i](x, residual, fb, cos_sin)
+        if self.norm is None:
+            assert residual is not None  # every stage holds at least one layer
+            self.parallel.send_next([x, residual])
+            return None
         x, _ = self.norm(x, fb, residual)
         return x
 
@@ -123,9 +159,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, {0: cfg.vocab_size})
+        self.stage = current().layout
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if self.stage.is_last_stage else None
         self.tied_parameter_names: set[str] = set()
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             # One matrix for both, in the head's layout: on CPUs that is the fast one for the
             # vocabulary-wide matmul (see layers/linear.py); the lookup of a few rows reads it strided.
             self.model.embed_tokens.tie_to(self.lm_head)
@@ -137,17 +174,32 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def checkpoint_name_map(self, name: str) -> tuple[str | None, str | int | None]:
-        """Checkpoint tensor name -> (our parameter name, shard of a fused parameter)."""
-        if self.config.tie_word_embeddings and name == "lm_head.weight":
-            return None, None  # tied: the embedding is the head
+        """Checkpoint tensor name -> (our parameter name, shard of a fused parameter); None for a
+        tensor this pipeline stage does not hold."""
+        first, last = self.stage.is_first_stage, self.stage.is_last_stage
+        if name == "lm_head.weight":
+            # tied: the embedding is the head (on a last stage without the embedding, the
+            # checkpoint's embedding loads into the head instead)
+            return (None, None) if self.config.tie_word_embeddings or not last else (name, None)
+        if name == "model.embed_tokens.weight":
+            if first:
+                return name, None
+            return ("lm_head.weight", None) if last and self.config.tie_word_embeddings else (None, None)
+        if name.startswith("model.norm.") and not last:
+            return None, None
         parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) not in self.model.held:
+            return None, None
         if len(parts) >= 2 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return name, None
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [num_sampling_seqs, vocab] in float32, only for the rows that sample."""
+    def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Logits [num_sampling_seqs, vocab] in float32, only for the rows that sample (None on
+        a pipeline stage before the last)."""
         hidden = self.model(fb, self.cos_sin_cache)
+        if hidden is None or self.lm_head is None:
+            return None
         return self.lm_head(hidden[fb.logits_indices]).float()
