@@ -110,6 +110,7 @@ def _load(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
     parallel = init_distributed(layout, dist_addr, dist_port, device)
     runner = ModelRunner(cfg, model_path, rank, parallel)  # sets torch threads from cfg.num_threads
+    _log_layout(runner)
     facts = ModelFacts(
         num_kv_blocks=runner.num_blocks,
         max_model_len=runner.max_model_len,
@@ -122,6 +123,24 @@ def _load(
     )
     hs.send(Ready(role=ROLE, rank=rank, model=facts))
     return runner
+
+
+def _log_layout(runner: ModelRunner) -> None:
+    """What this rank holds, one line per rank at start-up (tests read the weight bytes)."""
+    from pagebus.workers.distributed.layout import split_heads
+
+    mc, lay = runner.model_config, runner.parallel.layout
+    layers = lay.layers(mc.num_layers)
+    h = split_heads(mc.num_heads, mc.num_kv_heads, lay.tp_size, lay.tp_rank)
+    tensors = {id(t): t for t in [*runner.model.parameters(), *runner.model.buffers()]}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    log.info(
+        "layout: %s on %s: layers %d-%d of %d, attention heads %d-%d of %d, KV heads %d-%d of %d, "
+        "weight bytes %d (%.1f MiB)",
+        lay.describe(), runner.device, layers.start, layers.stop - 1, mc.num_layers, h.q_start,
+        h.q_start + h.num_q - 1, mc.num_heads, h.kv_start, h.kv_start + h.num_kv - 1, mc.num_kv_heads,
+        nbytes, nbytes / (1 << 20),
+    )  # fmt: skip
 
 
 def _serve(runner: ModelRunner, rank: int, handle: RingHandle, out: Channel) -> None:

@@ -1,0 +1,123 @@
+"""`pagebus serve -tp 2` on the default model (fp32, two worker processes over gloo): the same
+greedy text and chosen-token logprobs as one in-process rank, each rank holding about half the
+weights, the scheduler using the smaller rank's KV block count, the layout on /metrics; last, a
+SIGKILLed rank fails the in-flight request, the server exits non-zero and no process is left.
+
+Tests run in file order and share the server; the last one ends it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.frontends.http.server_proc import Server, run_server, wait_until
+from tests.workers.oracle import PROMPTS
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+# fp32: splitting a matmul's sum over two ranks moves logits by ~1e-5; a logprob by far less than this.
+LOGPROB_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    args = ["-tp", "2", "--max-model-len", "256", "--kv-cache-memory", str(16 << 20), "--max-num-seqs", "8"]
+    with run_server(*args) as s:
+        yield s
+
+
+def _post(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200, raw
+    return json.loads(raw)  # type: ignore[no-any-return]
+
+
+def test_greedy_text_and_logprobs_equal_one_rank(server: Server, llm_fp32) -> None:
+    from pagebus import SamplingParams
+
+    body = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    got = sorted(_post(server, body)["choices"], key=lambda c: c["index"])
+    want = llm_fp32.generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1, ignore_eos=True)
+    )
+    for prompt, choice, out in zip(PROMPTS, got, want, strict=True):
+        ref = out.outputs[0]
+        assert choice["text"] == ref.text, prompt
+        ref_lps = [lp[t].logprob for lp, t in zip(ref.logprobs, ref.token_ids, strict=True)]
+        lps = choice["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < LOGPROB_ATOL, prompt
+
+
+def test_each_rank_holds_about_half_the_weights_and_its_own_heads(server: Server, llm_fp32) -> None:
+    model = llm_fp32.engine.runner.model
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    whole = sum(t.numel() * t.element_size() for t in tensors.values())
+    log = server.log()
+    layout = re.findall(
+        r"layout: rank (\d)/2 .*?attention heads (\d+)-(\d+) of 9, .*?weight bytes (\d+)", log
+    )
+    assert sorted(r for r, *_ in layout) == ["0", "1"], log[-3000:]
+    for _, _, _, nbytes in layout:
+        assert 0.4 < int(nbytes) / whole < 0.6, (nbytes, whole)
+    # 9 heads in 3 KV groups: 6 on rank 0, 3 on rank 1
+    assert sorted((int(a), int(b)) for _, a, b, _ in layout) == [(0, 5), (6, 8)]
+    # The rank with fewer KV heads fits more blocks; the scheduler takes the smaller count.
+    per_rank = [int(n) for n in re.findall(r"KV cache: (\d+) blocks of 16 tokens \(", log)]
+    engine = re.findall(r"KV cache: (\d+) blocks of 16 tokens, ", log)
+    assert len(per_rank) == 2 and max(per_rank) == 2 * min(per_rank), log[-3000:]  # 2 KV heads vs 1
+    assert engine == [str(min(per_rank))], log[-3000:]
+
+
+def test_metrics_name_the_layout(server: Server) -> None:
+    m = server.metrics()
+    assert m["pagebus:parallel_config_info{pipeline_parallel_size=1,tensor_parallel_size=2}"] == 1.0
+
+
+def _rank_pid(server: Server, rank: int) -> int:
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if f"pagebus::worker-{rank}" in " ".join(p.cmdline()):
+                return p.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker-{rank} process")
+
+
+def test_sigkill_of_rank_1_fails_in_flight_and_the_server_exits_nonzero(server: Server) -> None:
+    # Last: it ends the shared server.
+    engine = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: ")  # decoding: rank 0 meets rank 1 in every all-reduce
+    os.kill(_rank_pid(server, 1), signal.SIGKILL)
+    t0 = time.monotonic()
+    rest = resp.read()  # ends with an in-band error event, then [DONE]
+    assert time.monotonic() - t0 < 30
+    assert b'"code":"engine_dead"' in rest, rest[-500:]
+    assert b"worker 1" in rest, rest[-500:]
+    conn.close()
+    assert server.proc.wait(60) != 0, server.log()[-3000:]
+
+    def alive() -> list[int]:
+        out = []
+        for pid in engine:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    wait_until(lambda: not alive(), 15, "every engine process to exit after the server")
