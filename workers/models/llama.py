@@ -139,7 +139,7 @@ class Model(nn.Module):
         if self.embed_tokens is not None:
             x, residual = self.embed_tokens(fb.input_ids), None
         else:
-            first = self.layers[self.held[0]].input_layernorm.weight
+            first = next(self.layers[self.held[0]].parameters())  # the activations' dtype and device
             shape = (fb.input_ids.shape[0], self.hidden_size)
             x, residual = self.parallel.recv_prev(
                 [torch.empty(shape, dtype=first.dtype, device=first.device) for _ in range(2)]
