@@ -1,0 +1,136 @@
+"""Tensor and pipeline parallelism: output tok/s and start-up time per layout, and the cost of one
+all-reduce at the model's hidden size. Prints ONE JSON object; logs to stderr.
+
+    python -m bench.parallel [--layouts 1x1 2x1 1x2 --requests 8 --output-len 32]
+
+A layout is TPxPP. Each layout starts the multi-process engine (one worker process per rank),
+warms it with one request, then times `generate` on the same greedy requests; the outputs of
+every layout must equal the first layout's. The all-reduce timing runs two gloo ranks on the
+loopback (NCCL ranks on CUDA when two GPUs exist) reducing [rows, hidden] float32 tensors, the
+shape every row-parallel layer reduces: 2 per decoder layer per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import socket
+import time
+from typing import Any
+
+from bench.common import emit, log, setup_logging
+
+HIDDEN = 576  # SmolLM2-135M
+
+
+def _allreduce_rank(rank: int, port: int, rows: list[int], iters: int, q: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    cuda = torch.cuda.device_count() >= 2
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    out = {}
+    for n in rows:
+        x = torch.ones(n, HIDDEN, device=dev)
+        for _ in range(max(10, iters // 10)):  # warm-up: connections, allocator
+            dist.all_reduce(x)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        out[str(n)] = (time.perf_counter() - t0) / iters * 1e6
+    if rank == 0:
+        q.put({"backend": "nccl" if cuda else "gloo", "us_per_allreduce_by_rows": out})
+    dist.destroy_process_group()
+
+
+def allreduce_cost(rows: list[int], iters: int) -> dict[str, Any]:
+    with socket.socket() as s:  # a free loopback port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, rows, iters, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res: dict[str, Any] = q.get(timeout=300)
+    for p in procs:
+        p.join(30)
+    return res
+
+
+def layout_run(
+    tp: int, pp: int, prompts: list[list[int]], output_len: int
+) -> tuple[dict[str, Any], list[list[int]]]:
+    from pagebus import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, multiprocess=True, seed=0)
+    startup = time.monotonic() - t0
+    try:
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, temperature=0))  # warm
+        t0 = time.monotonic()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        wall = time.monotonic() - t0
+    finally:
+        llm.shutdown()
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    n = sum(len(t) for t in tokens)
+    row = {
+        "tp": tp,
+        "pp": pp,
+        "startup_s": round(startup, 1),
+        "output_tok_s": round(n / wall, 2),
+        "wall_s": round(wall, 2),
+    }
+    log.info("layout %dx%d: %s", tp, pp, row)
+    return row, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--allreduce-rows", type=int, nargs="+", default=[1, 8, 32, 256])
+    ap.add_argument("--allreduce-iters", type=int, default=500)
+    args = ap.parse_args()
+    setup_logging()
+    comm = allreduce_cost(args.allreduce_rows, args.allreduce_iters)
+    log.info("all-reduce: %s", comm)
+    prompts = [[(7 * i + 13 * j) % 30000 + 100 for j in range(args.input_len)] for i in range(args.requests)]
+    rows, first = [], None
+    for spec in args.layouts:
+        tp, pp = (int(x) for x in spec.split("x"))
+        row, tokens = layout_run(tp, pp, prompts, args.output_len)
+        if first is None:
+            first = tokens
+        row["outputs_equal_first_layout"] = tokens == first
+        rows.append(row)
+    emit(
+        {
+            "bench": "parallel",
+            "requests": args.requests,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "hidden_size": HIDDEN,
+            "allreduce": comm,
+            "layouts": rows,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
