@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from pagebus.workers.gguf_file import read_gguf
 from pagebus.workers.model_config import ModelConfig, config_from_gguf, config_from_hf
 from torch import nn
 
@@ -47,28 +48,19 @@ def is_gguf(path: str) -> bool:
 
 def read_config(path: str) -> ModelConfig:
     if is_gguf(path):
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        return config_from_gguf(_gguf_fields(reader), {t.name for t in reader.tensors}, path)
+        f = read_gguf(path, _model_field)
+        return config_from_gguf(f.fields, {t.name for t in f.tensors}, path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: not a .gguf file and no config.json in it")
     return config_from_hf(path)
 
 
-def _gguf_fields(reader: object) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for name, f in reader.fields.items():  # type: ignore[attr-defined]
-        if name.startswith("tokenizer.ggml.") and name not in (
-            "tokenizer.ggml.bos_token_id",
-            "tokenizer.ggml.eos_token_id",
-        ):
-            continue  # vocab and merges: the tokenizer reads those, not the model
-        try:
-            out[name] = f.contents()
-        except Exception:  # exotic field types we never need
-            continue
-    return out
+def _model_field(key: str) -> bool:
+    """The vocabulary and merges are the tokenizer's; the model needs only the special ids."""
+    return not key.startswith("tokenizer.ggml.") or key in (
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+    )
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -81,8 +73,7 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_gguf(path: str, cfg: ModelConfig) -> WeightIter:
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    for t in reader.tensors:
+    for t in read_gguf(path, lambda key: False).tensors:
         m = _GGUF_LAYER_RE.fullmatch(t.name)
         if t.name in _GGUF_GLOBAL_NAMES:
             name = _GGUF_GLOBAL_NAMES[t.name]

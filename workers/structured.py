@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pagebus.bus.constraints import choice_ebnf, constraint_key, json_schema_text
 from pagebus.bus.messages import StructuredOutputsParams
+from pagebus.workers.gguf_file import read_gguf_fields
 
 if TYPE_CHECKING:
     import xgrammar
@@ -60,13 +60,13 @@ def load_vocab(path: str) -> tuple[list[str], str]:
     """(token strings by id, xgrammar vocab type name) of a GGUF file or a tokenizer.json dir;
     control tokens are empty strings."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        meta = _gguf_tokenizer_fields(path)
+        meta = read_gguf_fields(path, lambda key: key.startswith("tokenizer.ggml."))
         tokens = [t.decode("utf-8", errors="replace") for t in meta.get("tokenizer.ggml.tokens", [])]
         kinds = meta.get("tokenizer.ggml.token_type")
         if kinds is not None:  # 3: control
             tokens = ["" if k == 3 else t for t, k in zip(tokens, kinds, strict=True)]
-        model = meta.get("tokenizer.ggml.model", b"")
-        kind = {b"gpt2": "BYTE_LEVEL", b"llama": "BYTE_FALLBACK"}.get(model, "RAW")
+        model = meta.get("tokenizer.ggml.model", "")
+        kind = {"gpt2": "BYTE_LEVEL", "llama": "BYTE_FALLBACK"}.get(model, "RAW")
         return tokens, kind
     with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
@@ -84,73 +84,6 @@ def load_vocab(path: str) -> tuple[list[str], str]:
         "BYTE_LEVEL" if '"ByteLevel"' in decoder else "BYTE_FALLBACK" if "ByteFallback" in decoder else "RAW"
     )
     return tokens, kind
-
-
-# GGUF value types: fixed sizes (struct codes), 8 = string, 9 = array.
-_GGUF_FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _gguf_tokenizer_fields(path: str) -> dict[str, Any]:
-    """The `tokenizer.ggml.*` key-values of a little-endian GGUF file, read straight from its
-    header (gguf.GGUFReader parses every field and tensor: seconds for a 49k vocabulary)."""
-    with open(path, "rb") as f:
-        data = f.read(1 << 20)
-        need_more = True
-        while need_more:
-            try:
-                return _parse_gguf_kv(data)
-            except struct.error:  # the header is longer than what was read
-                more = f.read(len(data))
-                need_more = bool(more)
-                data += more
-    raise ValueError(f"{path}: truncated GGUF header")
-
-
-def _parse_gguf_kv(data: bytes) -> dict[str, Any]:
-    magic, _version, _n_tensors, n_kv = struct.unpack_from("<IIQQ", data, 0)
-    if magic != 0x46554747:  # b"GGUF"
-        raise ValueError("not a GGUF file")
-    pos = 24
-    out: dict[str, Any] = {}
-
-    def string() -> bytes:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", data, pos)
-        if pos + 8 + n > len(data):
-            raise struct.error("short read")
-        pos += 8 + n
-        return data[pos - n : pos]
-
-    def value(kind: int, keep: bool) -> Any:
-        nonlocal pos
-        if kind == 8:
-            return string()
-        if kind == 9:
-            (elem, count) = struct.unpack_from("<IQ", data, pos)
-            pos += 12
-            if elem in _GGUF_FIXED:
-                code = _GGUF_FIXED[elem]
-                size = struct.calcsize(code) * count
-                vals = struct.unpack_from(f"<{count}{code}", data, pos) if keep else ()
-                if pos + size > len(data):
-                    raise struct.error("short read")
-                pos += size
-                return list(vals)
-            return [value(elem, keep) for _ in range(count)]
-        code = _GGUF_FIXED[kind]
-        (v,) = struct.unpack_from("<" + code, data, pos)
-        pos += struct.calcsize(code)
-        return v
-
-    for _ in range(n_kv):
-        key = string().decode()
-        (kind,) = struct.unpack_from("<I", data, pos)
-        pos += 4
-        keep = key.startswith("tokenizer.ggml.")
-        v = value(kind, keep)
-        if keep:
-            out[key] = v
-    return out
 
 
 @dataclass
