@@ -58,6 +58,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_threads: int | None = None  # torch intra-op threads in the worker; None: torch's default
     tensor_parallel_size: int = 1  # ranks that split every layer (one worker process each)
     pipeline_parallel_size: int = 1  # contiguous layer stages; workers = tensor x pipeline
+    # Several machines (vLLM's names): node 0 serves, the others run only their share of the
+    # workers; all derive the rendezvous and bus endpoints from master_addr:master_port (bus/nodes.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     load_format: LoadFormat = "auto"  # dummy: config.json only, small random weights (benchmarks)
     # Decode batch sizes captured as CUDA graphs (vLLM's name): [] is 1, 2, 4, then multiples of
     # 8 up to 512; one value N is that pattern up to N; several are used as given. Sizes above
@@ -90,7 +96,14 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.max_num_seqs > 0, "max_num_seqs must be positive")
     need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
     need(cfg.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
-    sc, world = cfg.speculative_config, cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    need(cfg.nnodes >= 1 and 0 <= cfg.node_rank < cfg.nnodes, "need nnodes >= 1 and 0 <= node_rank < nnodes")
+    need(
+        world % cfg.nnodes == 0,
+        f"tensor_parallel_size x pipeline_parallel_size ({world}) must be a multiple of nnodes ({cfg.nnodes})",
+    )
+    need(1 <= cfg.master_port <= 65531, "master_port must be in 1..65531 (the next 4 ports are used too)")
+    sc = cfg.speculative_config
     need(
         sc is None or sc.method != "draft_model" or world == 1,
         "speculative_config: a draft model runs on one worker only; use tensor/pipeline_parallel_size 1",

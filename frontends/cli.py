@@ -133,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve" and getattr(args, "node_rank", None):
+            from pagebus.frontends.args import engine_config_from_args
+            from pagebus.frontends.engine.node import run_worker_node
+            from pagebus.frontends.model_files import resolve_model
+
+            cfg = engine_config_from_args(args)  # a worker node: no HTTP, only its workers
+            return run_worker_node(cfg, resolve_model(cfg.model))
         if args.command == "serve":
             from pagebus.frontends.http.server import main as serve_main
 

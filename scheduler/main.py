@@ -11,6 +11,7 @@ Any worker death or fatal error sends EngineDead to every pool and exits non-zer
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import os
 import socket
 import traceback
@@ -40,6 +41,7 @@ from pagebus.bus.messages import (
     ToScheduler,
     WorkerFailed,
 )
+from pagebus.bus.nodes import liveness_address, local_ranks, node_endpoints, world_size
 from pagebus.bus.proc import BusProcess, StartupError, describe_death, shutdown, spawn, wait_ready
 from pagebus.bus.shm import ShmRingWriter
 from pagebus.bus.sockets import Channel, make_socket
@@ -51,7 +53,8 @@ LINGER_MS = 2_000
 SEND_TIMEOUT_S = 30.0  # a pool that stops reading for this long is as good as dead
 RING_TIMEOUT_S = 60.0
 DIST_ADDR = "127.0.0.1"  # one box: the rendezvous listens on the loopback only
-INBOUND_HWM = 10_000  # ROUTER input: per-pool pipe; senders block (not drop) when it is full
+INBOUND_HWM = 10_000
+PEER_DEATH_WAIT_S = 0.5  # after a rank's collective failed: time for a dead peer's sentinel to show  # ROUTER input: per-pool pipe; senders block (not drop) when it is full
 
 
 class EngineFatal(RuntimeError):
@@ -67,12 +70,23 @@ def scheduler_main(
     ctx: zmq.Context[Any] = zmq.Context()
     hs = Channel(make_socket(ctx, zmq.PUSH, addrs["handshake"], bind=False, linger_ms=LINGER_MS))
     hs.send(Hello(version=PROTOCOL_VERSION, role="scheduler", rank=0, pid=os.getpid()))
-    world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-    ring = ShmRingWriter(world, addrs["ring"], ctx=ctx)
+    world, local = world_size(cfg), local_ranks(cfg)  # this node runs ranks 0 .. len(local) - 1
+    ring = ShmRingWriter(len(local), addrs["ring"], ctx=ctx)
     results = Channel.open(ctx, zmq.PULL, addrs["worker_out"], bind=True, recv_type=FromWorker)
     whs = make_socket(ctx, zmq.PULL, addrs["worker_handshake"], bind=True, linger_ms=0)
     ring_handle = msgspec.msgpack.encode(ring.handle)
-    dist_port = _free_port() if world > 1 else 0  # the workers' torch.distributed rendezvous
+    pub: zmq.Socket[Any] | None = None
+    liveness: socket.socket | None = None
+    if cfg.nnodes > 1:  # the other nodes' workers reach the same sockets over tcp:// (bus/nodes.py)
+        ep = node_endpoints(cfg)
+        results.sock.bind(ep["results"])
+        whs.bind(ep["handshake"])
+        pub = make_socket(ctx, zmq.PUB, ep["steps"], bind=True, hwm=0, linger_ms=LINGER_MS)
+        liveness = socket.create_server(liveness_address(cfg), backlog=64)  # never accepted: see bus/nodes.py
+        dist_addr, dist_port = cfg.master_addr, cfg.master_port
+    else:
+        dist_addr, dist_port = DIST_ADDR, _free_port() if world > 1 else 0  # the ranks' rendezvous
+    steps = _Steps(ring, pub)
     workers = [
         spawn(
             worker_target,
@@ -80,9 +94,9 @@ def scheduler_main(
             "worker",
             r,
             (cfg_bytes, model_path, r, ring_handle, addrs["worker_handshake"], addrs["worker_out"])
-            + ((DIST_ADDR, dist_port) if world > 1 else ()),
+            + ((dist_addr, dist_port) if world > 1 else ()),
         )
-        for r in range(world)
+        for r in local
     ]
     outs = {
         f"tok-{i}".encode(): Channel(make_socket(ctx, zmq.PUSH, addrs[f"tok_step_{i}"], bind=False))
@@ -91,7 +105,7 @@ def scheduler_main(
     code = 1
     try:
         try:
-            ready = wait_ready(whs, workers, {("worker", r) for r in range(len(workers))}, 3600.0)
+            ready = wait_ready(whs, workers, {("worker", r) for r in range(world)}, 3600.0)
         except StartupError as e:  # tell the launcher which worker failed, not just "scheduler exited"
             role, rank = (e.role, e.rank) if e.role is not None and e.rank is not None else ("scheduler", 0)
             hs.send(StartupFailed(role=role, rank=rank, reason=str(e)))
@@ -101,7 +115,7 @@ def scheduler_main(
         inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
         pids = [p.pid or 0 for p in workers]
         hs.send(Ready(role="scheduler", rank=0, model=f0, worker_pids=pids))
-        loop = _Loop(sched, ring, results, inbound, outs, workers)
+        loop = _Loop(sched, steps, results, inbound, outs, workers)
         try:
             loop.run()
             code = 0
@@ -116,11 +130,13 @@ def scheduler_main(
     finally:
         if code == 0:
             try:
-                ring.write(pack_frames(Codec().encode(Shutdown(drain=False))), timeout_s=5.0)
+                steps.write(pack_frames(Codec().encode(Shutdown(drain=False))), timeout_s=5.0)
             except TimeoutError:
                 log.warning("could not send Shutdown to the workers")
         shutdown(workers, timeout=10.0 if code == 0 else 0.5)
-        ring.close()
+        steps.close()
+        if liveness is not None:
+            liveness.close()  # resets the worker nodes' connections: they stop their workers
         for ch in (hs, results, *outs.values()):
             ch.close()
         whs.close()
@@ -148,11 +164,29 @@ def _model_facts(ready: dict[tuple[str, int], Ready], world: int, tp: int) -> Mo
     return msgspec.structs.replace(present[world - tp], num_kv_blocks=blocks)
 
 
+class _Steps:
+    """The step broadcast: the shm ring to this node's workers and, with several nodes, the same
+    bytes over PUB to the others' (which subscribe before they send Ready)."""
+
+    def __init__(self, ring: ShmRingWriter, pub: zmq.Socket[Any] | None) -> None:
+        self.ring, self.pub = ring, pub
+
+    def write(self, payload: bytes, timeout_s: float) -> None:
+        self.ring.write(payload, timeout_s=timeout_s)
+        if self.pub is not None:
+            self.pub.send(payload)
+
+    def close(self) -> None:
+        self.ring.close()
+        if self.pub is not None:
+            self.pub.close()  # with linger: a last Shutdown still leaves
+
+
 class _Loop:
     def __init__(
         self,
         sched: Scheduler,
-        ring: ShmRingWriter,
+        ring: _Steps,
         results: Channel,
         inbound: zmq.Socket[Any],
         outs: dict[bytes, Channel],
@@ -192,8 +226,18 @@ class _Loop:
         if self.results.sock in events:
             msg = self.results.recv_now()
             if isinstance(msg, WorkerFailed):
-                raise EngineFatal(f"worker {msg.rank} failed: {msg.reason}")
+                raise self._failure(msg)
             raise EngineFatal(f"unexpected {type(msg).__name__} from a worker while idle")
+
+    def _failure(self, msg: WorkerFailed) -> EngineFatal:
+        """A rank whose peer died fails in its next collective, often before the peer's sentinel
+        is seen: name the dead process when there is one, not the error it caused."""
+        dead = multiprocessing.connection.wait(list(self.sentinels), timeout=PEER_DEATH_WAIT_S)
+        for s in dead:
+            p = self.sentinels[s]  # type: ignore[index]  # wait() typed wide; here only sentinels (ints)
+            p.join(1.0)
+            return EngineFatal(describe_death("worker", p.rank, p.exitcode))
+        return EngineFatal(f"worker {msg.rank} failed: {msg.reason}")
 
     def _drain_inbound(self) -> None:
         dec = self.codec.decoder(ToScheduler)
@@ -247,7 +291,7 @@ class _Loop:
             if self.results.sock in events:
                 msg = self.results.recv_now()
                 if isinstance(msg, WorkerFailed):
-                    raise EngineFatal(f"worker {msg.rank} failed: {msg.reason}")
+                    raise self._failure(msg)
                 if msg.step_id != batch.step_id:
                     raise EngineFatal(f"worker answered step {msg.step_id}, expected {batch.step_id}")
                 return msg  # type: ignore[no-any-return]

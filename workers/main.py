@@ -34,6 +34,7 @@ from pagebus.bus.messages import (
     ToWorker,
     WorkerFailed,
 )
+from pagebus.bus.nodes import StepSubscriber, local_ranks
 from pagebus.bus.shm import RingHandle, ShmRingReader
 from pagebus.bus.sockets import Channel, make_socket
 
@@ -55,19 +56,27 @@ def worker_main(
     out_ep: str,
     dist_addr: str = "127.0.0.1",
     dist_port: int = 0,
+    steps_ep: str = "",
 ) -> None:
-    """Entry point (module level so `bus.proc.spawn` can import it)."""
+    """Entry point (module level so `bus.proc.spawn` can import it). A worker on another node than
+    the scheduler's gets no ring but `steps_ep`, the head's step broadcast (bus/nodes.py)."""
     cfg = msgspec.msgpack.decode(cfg_bytes, type=EngineConfig)
-    handle = msgspec.msgpack.decode(ring, type=RingHandle)
     ctx: zmq.Context[Any] = zmq.Context()
     hs = Channel(make_socket(ctx, zmq.PUSH, handshake_ep, bind=False, linger_ms=LINGER_MS))
     out = Channel(make_socket(ctx, zmq.PUSH, out_ep, bind=False, linger_ms=LINGER_MS))
     code = 0
     runner: ModelRunner | None = None  # set once the model is loaded and Ready is sent
+    reader: ShmRingReader | StepSubscriber | None = None
     try:
+        # Subscribed before loading: the head sends its first step only after every Ready.
+        reader = (
+            StepSubscriber(ctx, steps_ep)
+            if steps_ep
+            else ShmRingReader(msgspec.msgpack.decode(ring, type=RingHandle), rank - local_ranks(cfg).start)
+        )
         hs.send(Hello(version=PROTOCOL_VERSION, role=ROLE, rank=rank, pid=os.getpid()))
         runner = _load(cfg, model_path, rank, hs, dist_addr, dist_port)
-        _serve(runner, rank, handle, out)
+        _serve(runner, rank, reader, out)
     except BaseException as e:  # report every failure, then exit non-zero
         log.error("worker %d failed:\n%s", rank, traceback.format_exc())
         reason = f"{type(e).__name__}: {e}"
@@ -81,6 +90,8 @@ def worker_main(
             log.exception("could not report the failure")
         code = 1
     finally:
+        if reader is not None:
+            reader.close()
         hs.close()
         out.close()
         ctx.term()
@@ -143,19 +154,16 @@ def _log_layout(runner: ModelRunner) -> None:
     )  # fmt: skip
 
 
-def _serve(runner: ModelRunner, rank: int, handle: RingHandle, out: Channel) -> None:
-    reader = ShmRingReader(handle, rank)  # blocks on a wake-up when idle: no spinning beyond spin_s
+def _serve(runner: ModelRunner, rank: int, reader: ShmRingReader | StepSubscriber, out: Channel) -> None:
+    # The ring blocks on a wake-up when idle: no spinning beyond spin_s.
     codec = Codec()
-    try:
-        while True:
-            msg = codec.decode(unpack_frames(reader.read()), ToWorker)
-            match msg:
-                case ExecuteBatch():
-                    result: BatchResult = runner.execute(msg)  # the model's forward is inference_mode
-                    if rank == runner.parallel.layout.result_rank:
-                        out.send(result)
-                case Shutdown():
-                    log.info("worker %d: shutdown", rank)
-                    return
-    finally:
-        reader.close()
+    while True:
+        msg = codec.decode(unpack_frames(reader.read()), ToWorker)
+        match msg:
+            case ExecuteBatch():
+                result: BatchResult = runner.execute(msg)  # the model's forward is inference_mode
+                if rank == runner.parallel.layout.result_rank:
+                    out.send(result)
+            case Shutdown():
+                log.info("worker %d: shutdown", rank)
+                return
