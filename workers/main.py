@@ -114,13 +114,15 @@ def _load(
 
     imports = time.monotonic() - t0
     layout = Layout(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
-    device = pick_device(cfg, rank)
+    node_ranks = local_ranks(cfg)
+    local = rank - node_ranks.start  # this node's GPU index
+    device = pick_device(cfg, local)
     if layout.world_size > 1 and cfg.num_threads is None and device.type == "cpu":
         # Ranks on one CPU share its cores; more threads than cores makes every step wait for
         # the slowest preempted thread, in every collective.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(node_ranks)))
     parallel = init_distributed(layout, dist_addr, dist_port, device)
-    runner = ModelRunner(cfg, model_path, rank, parallel)  # sets torch threads from cfg.num_threads
+    runner = ModelRunner(cfg, model_path, local, parallel)  # sets torch threads from cfg.num_threads
     _log_layout(runner)
     facts = ModelFacts(
         num_kv_blocks=runner.num_blocks,

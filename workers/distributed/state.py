@@ -104,6 +104,8 @@ def init_distributed(layout: Layout, master_addr: str, master_port: int, device:
     if layout.world_size == 1:
         return Parallel(layout)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicators to the current device
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
         backend,
