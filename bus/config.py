@@ -17,6 +17,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 LoadFormat = Literal["auto", "dummy"]
+# gguf: a GGUF file's blocks stay packed (Q4_0/Q4_1/Q8_0); none: dequantized at load
+Quantization = Literal["gguf", "none"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 SpecMethod = Literal["ngram", "draft_model"]
@@ -65,6 +67,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     load_format: LoadFormat = "auto"  # dummy: config.json only, small random weights (benchmarks)
+    # Weight format (vLLM's name); None: as stored, a GGUF file's blocks dequantized at load.
+    quantization: Quantization | None = None
     # Decode batch sizes captured as CUDA graphs (vLLM's name): [] is 1, 2, 4, then multiples of
     # 8 up to 512; one value N is that pattern up to N; several are used as given. Sizes above
     # max_num_seqs are dropped. CUDA only.

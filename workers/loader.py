@@ -70,7 +70,12 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf(path: str, cfg: ModelConfig) -> WeightIter:
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def iter_gguf(path: str, cfg: ModelConfig, keep_quantized: bool = False) -> WeightIter:
+    """keep_quantized: quantized matrices come as GGUFWeight (their packed blocks, rows in HF
+    order), never as a float copy; the layer they load into keeps them packed."""
     import gguf
 
     for t in read_gguf(path, lambda key: False).tensors:
@@ -83,11 +88,21 @@ def iter_gguf(path: str, cfg: ModelConfig) -> WeightIter:
             name = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         else:
             continue
+        rope = cfg.family == "llama" and m is not None and m.group(2) in ("attn_q", "attn_k")
+        heads = cfg.num_heads if m is not None and m.group(2) == "attn_q" else cfg.num_kv_heads
+        if keep_quantized and t.tensor_type.name not in _FLOAT_TYPES and len(t.shape) == 2:
+            from pagebus.workers.layers.quant.gguf import gguf_weight
+
+            q = gguf_weight(t, t.name)
+            if rope:  # whole rows of blocks move: the same row permutation as the values'
+                q.data = _unpermute_rope(q.data, heads)
+            yield name, q
+            continue
         # copy: GGUF tensors are read-only mmap views, and mmap reads stall on some VMs
         arr = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
         w = torch.from_numpy(arr)
-        if cfg.family == "llama" and m is not None and m.group(2) in ("attn_q", "attn_k"):
-            w = _unpermute_rope(w, cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads)
+        if rope:
+            w = _unpermute_rope(w, heads)
         yield name, w
 
 
@@ -124,6 +139,8 @@ def load_weights(model: nn.Module, weights: WeightIter) -> None:
         if param is None:
             raise KeyError(f"checkpoint tensor {ckpt_name!r} has no parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", _default_loader)
+        if not isinstance(tensor, torch.Tensor) and not _keeps_packed(loader):
+            tensor = tensor.dequantize()  # e.g. an untied embedding: looked up as floats
         loader(param, tensor, shard)
         loaded.add(name)
     tied: set[str] = getattr(model, "tied_parameter_names", set())
@@ -131,6 +148,28 @@ def load_weights(model: nn.Module, weights: WeightIter) -> None:
     if missing:
         raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
     finish_loading(model)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as held (parameters and buffers; packed ones count as packed), less
+    tables derived from the config (the rotary cache)."""
+    seen: set[int] = set()
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen or name.endswith("cos_sin_cache"):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _keeps_packed(loader: object) -> bool:
+    from pagebus.workers.layers.linear import Linear
+
+    return (
+        isinstance(getattr(loader, "__self__", None), Linear)
+        and getattr(loader, "__name__", "") == "load_weight"
+    )
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -38,6 +38,8 @@ from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
 from pagebus.workers.input_batch import InputBuffers, StepTensors
+from pagebus.workers.layers.quant import select as quant_select
+from pagebus.workers.layers.quant.base import linear_methods
 from pagebus.workers.loader import (
     init_dummy_weights,
     is_gguf,
@@ -45,6 +47,7 @@ from pagebus.workers.loader import (
     iter_safetensors,
     load_weights,
     read_config,
+    resident_weight_bytes,
 )
 from pagebus.workers.model_config import ModelConfig
 from pagebus.workers.models import model_class
@@ -94,13 +97,19 @@ class _Step:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[torch.nn.Module, ModelConfig]:
     mc = read_config(path)
+    held = quant_select.resolve(quantization, is_gguf(path) and load_format != "dummy")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), linear_methods(quant_select.factory(held)):
             model = model_class(mc)(mc)
     finally:
         torch.set_default_dtype(prev)
@@ -108,7 +117,9 @@ def load_model(
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
-            load_weights(model, iter_gguf(path, mc) if is_gguf(path) else iter_safetensors(path))
+            keep = held == "gguf"
+            load_weights(model, iter_gguf(path, mc, keep) if is_gguf(path) else iter_safetensors(path))
+    log.info("weights: %s held as %s, %.1f MiB resident", path, held, resident_weight_bytes(model) / 2**20)
     return model.eval(), mc
 
 
@@ -143,7 +154,7 @@ class ModelRunner:
         allocated_before = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         with building(self.parallel):  # parallel layers take this rank's slices
             self.model, self.model_config = load_model(
-                model_path, self.dtype, self.device, cfg.load_format, cfg.seed
+                model_path, self.dtype, self.device, cfg.load_format, cfg.seed, cfg.quantization
             )
         t_weights = time.monotonic()
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before if on_cuda else 0

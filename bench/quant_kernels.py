@@ -1,0 +1,126 @@
+"""Which CPU kernel multiplies quantized weights fastest at this model's shapes, per format.
+
+    python -m bench.quant_kernels [--rows 1 32 256] [--rounds 3] [--compile]
+
+Candidates, all computing `x @ W^T` for fp32 x from 32-wide groups of quantized weights:
+- fp32: F.linear on the dequantized weight in linear.py's layout (today's path, the baseline);
+- int4pack: torch's `_weight_int4pack_mm_for_cpu` (Q4_0/Q4_1: w = (q - 8) * scale + zero, exact);
+- int8pack: torch's `_weight_int8pack_mm` (per-channel scales: int8, or Q8_0 re-scaled per row);
+- int8pack_blocks: Q8_0 exactly, one int8pack call per 32-column group, summed;
+- dequant: unpack to fp32 at each call, then F.linear (Q4 and Q8_0);
+- compiled: torch.compile of the dequant-then-matmul (with --compile; slow to build).
+Each figure is the fastest single call of many, candidates interleaved, so load spikes hit all.
+Prints one JSON object: microseconds per call per (shape, rows, kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import cpu_flags, emit, setup_logging
+
+SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+G = 32
+
+
+def _best(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _candidates(n: int, k: int, x: torch.Tensor, compile_: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scale, zero = torch.rand(n, k // G) * 0.01, torch.randn(n, k // G) * 0.01
+    w4 = ((q4 - 8).float().view(n, k // G, G) * scale[..., None] + zero[..., None]).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [k/G, n, 2]
+    nib = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # two per byte, GGUF-like
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s8 = torch.rand(n, k // G) * 0.01
+    row_s = torch.rand(n) * 0.01
+    q8_groups = [q8[:, g * G : (g + 1) * G].contiguous() for g in range(k // G)]
+    x_groups = [x[:, g * G : (g + 1) * G].contiguous() for g in range(k // G)]
+    s8_groups = [s8[:, g].contiguous() for g in range(k // G)]
+    w_t = w4.t().contiguous().t()
+
+    def dequant4() -> torch.Tensor:
+        q = torch.stack([nib & 15, nib >> 4], dim=-1).view(n, k // G, G).float()
+        return F.linear(x, ((q - 8) * scale[..., None] + zero[..., None]).view(n, k))
+
+    def dequant8() -> torch.Tensor:
+        return F.linear(x, (q8.view(n, k // G, G).float() * s8[..., None]).view(n, k))
+
+    def blocks8() -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x_groups[0], q8_groups[0], s8_groups[0])
+        for g in range(1, k // G):
+            y += torch.ops.aten._weight_int8pack_mm(x_groups[g], q8_groups[g], s8_groups[g])
+        return y
+
+    c: dict[str, Callable[[], torch.Tensor]] = {
+        "fp32": lambda: F.linear(x, w_t),
+        "q4_int4pack": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz),
+        "q4_dequant": dequant4,
+        "int8pack_per_channel": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, row_s),
+        "q8_0_int8pack_blocks": blocks8,
+        "q8_0_dequant": dequant8,
+    }
+    if compile_:
+        c["q4_compiled"] = torch.compile(dequant4, dynamic=False)
+        c["q8_0_compiled"] = torch.compile(dequant8, dynamic=False)
+    return c
+
+
+def measure(rows: list[int], rounds: int, compile_: bool) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, (n, k) in SHAPES.items():
+        out[name] = {}
+        for m in rows:
+            x = torch.randn(m, k)
+            cands = _candidates(n, k, x, compile_)
+            reps = max(3, min(50, int(3e8 / (2 * m * n * k))))
+            best = dict.fromkeys(cands, float("inf"))
+            for fn in cands.values():
+                fn()  # warm-up (and compile)
+            for _ in range(rounds):
+                for kname, fn in cands.items():
+                    best[kname] = min(best[kname], _best(fn, reps))
+            out[name][str(m)] = {kname: round(t * 1e6, 1) for kname, t in best.items()}
+    return out
+
+
+def main() -> None:
+    setup_logging()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd dequant-matmul")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        results = measure(args.rows, args.rounds, args.compile)
+    emit({
+        "bench": "quant_kernels", "unit": "us_per_call",
+        "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "results": results,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

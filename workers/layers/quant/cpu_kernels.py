@@ -1,0 +1,227 @@
+"""CPU matmuls on 32-wide groups of quantized weights, compiled once per machine (C++, -march=native).
+
+torch's own CPU ops for packed weights (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
+ran 10-300x slower than fp32 F.linear at this model's shapes on the AVX-512 machine this was
+written on (bench/quant_kernels.py), and dequantizing through torch ops at every call 2-20x
+slower. These kernels dequantize a tile of W^T ([K, nb] floats, small enough to stay in L2)
+and hand it to the BLAS that F.linear uses, one tile per thread: the weight is read from
+memory once, packed (a quarter of bf16's bytes for 4 bits), and the multiply runs at BLAS
+speed for every row count.
+
+Layouts (GGUF's own block contents, split into arrays; `G = K / 32` groups per row):
+- q4: qs uint8 [N, G, 16], d and m float32 [N, G]: in group g, byte j holds column 32g+j in
+  its low nibble and 32g+16+j in its high one; w = d * q + m (Q4_0: m = -8d; Q4_1: as stored).
+- q8: qs int8 [N, K], d float32 [N, K / gs]: w = d * q (Q8_0: gs = 32; int8 per-channel: gs = K).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+// Row n of W, dequantized into out[0, K).
+// __restrict__: uint8/int8 pointers may alias anything, which would stop vectorization.
+static inline void deq_q4_row(const uint8_t* __restrict__ qs, const float* __restrict__ d,
+                              const float* __restrict__ m, int64_t K, float* __restrict__ out) {
+  const int64_t G = K / 32;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* __restrict__ q = qs + g * 16;
+    const float s = d[g], b = m[g];
+    float* __restrict__ o = out + g * 32;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = s * (float)(q[j] & 15) + b;
+      o[j + 16] = s * (float)(q[j] >> 4) + b;
+    }
+  }
+}
+
+static inline void deq_q8_row(const int8_t* __restrict__ qs, const float* __restrict__ d, int64_t K,
+                              int64_t gs, float* __restrict__ out) {
+  for (int64_t k0 = 0; k0 < K; k0 += gs) {
+    const float s = d[k0 / gs];
+    for (int64_t k = k0; k < k0 + gs; ++k) out[k] = s * (float)qs[k];
+  }
+}
+
+constexpr int64_t kMaxGemvRows = 4;
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 32 weights of group g of a row, as two vectors of 16 floats (columns 32g..+15, 32g+16..+31).
+static inline void q4_group(const uint8_t* q, float d, float m, __m512& lo, __m512& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dv, mv);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))), dv, mv);
+}
+static inline void q8_half(const int8_t* q, float d, __m512& w) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(d));
+}
+#endif
+
+// y[r, n] for r < M <= kMaxGemvRows, n in [n0, n1): W read once, straight into FMAs.
+static void q4_gemv(const float* xp, int64_t M, int64_t K, const uint8_t* qs, const float* d,
+                    const float* m, float* yp, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = qs + n * G * 16;
+    const float* dn = d + n * G;
+    const float* mn = m + n * G;
+#ifdef __AVX512F__
+    __m512 acc[kMaxGemvRows];
+    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 lo, hi;
+      q4_group(q + g * 16, dn[g], mn[g], lo, hi);
+      for (int64_t r = 0; r < M; ++r) {
+        const float* xg = xp + r * K + g * 32;
+        acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[r]);
+        acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) yp[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+#else
+    for (int64_t r = 0; r < M; ++r) {
+      float s = 0;
+      for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < 16; ++j) {
+          const float* xg = xp + r * K + g * 32;
+          s += xg[j] * (dn[g] * (float)(q[g * 16 + j] & 15) + mn[g]);
+          s += xg[j + 16] * (dn[g] * (float)(q[g * 16 + j] >> 4) + mn[g]);
+        }
+      yp[r * N + n] = s;
+    }
+#endif
+  }
+}
+
+static void q8_gemv(const float* xp, int64_t M, int64_t K, int64_t gs, const int8_t* qs, const float* d,
+                    float* yp, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / gs;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = qs + n * K;
+    const float* dn = d + n * G;
+#ifdef __AVX512F__
+    __m512 acc[kMaxGemvRows];
+    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512 w;
+      q8_half(q + k, dn[k / gs], w);
+      for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + r * K + k), acc[r]);
+    }
+    for (int64_t r = 0; r < M; ++r) yp[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+#else
+    for (int64_t r = 0; r < M; ++r) {
+      float s = 0;
+      for (int64_t k = 0; k < K; ++k) s += xp[r * K + k] * dn[k / gs] * (float)q[k];
+      yp[r * N + n] = s;
+    }
+#endif
+  }
+}
+
+// Few rows (decode): the GEMV above. More rows: tiles of nb rows of W dequantized into a
+// [nb, K] buffer (L2) and multiplied by BLAS (single-threaded inside the parallel region).
+#ifdef __AVX512F__
+static inline void deq_q4_row_v(const uint8_t* qs, const float* d, const float* m, int64_t K, float* out) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 lo, hi;
+    q4_group(qs + g * 16, d[g], m[g], lo, hi);
+    _mm512_storeu_ps(out + g * 32, lo);
+    _mm512_storeu_ps(out + g * 32 + 16, hi);
+  }
+}
+#define DEQ_Q4_ROW deq_q4_row_v
+#else
+#define DEQ_Q4_ROW deq_q4_row
+#endif
+
+template <typename Deq, typename Gemv>
+static torch::Tensor quant_mm(const torch::Tensor& x, int64_t N, int64_t K, Deq deq, Gemv gemv) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  auto y = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M <= kMaxGemvRows) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv(xp, M, yp, n0, n1); });
+    return y;
+  }
+  const int64_t nb = std::max<int64_t>(16, std::min<int64_t>(256, (256 * 1024) / K));
+  const int64_t tiles = (N + nb - 1) / nb;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    auto buf = torch::empty({nb, K}, xc.options());
+    float* b = buf.data_ptr<float>();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * nb, cnt = std::min(nb, N - n0);
+      for (int64_t i = 0; i < cnt; ++i) deq(n0 + i, b + i * K);
+      auto out = y.narrow(1, n0, cnt);
+      at::mm_out(out, xc, buf.narrow(0, 0, cnt).t());
+    }
+  });
+  return y;
+}
+
+torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 32;
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && m.is_contiguous(), "q4 arrays must be contiguous");
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  const int64_t G = K / 32;
+  return quant_mm(
+      x, N, K, [&](int64_t n, float* out) { DEQ_Q4_ROW(q + n * G * 16, dp + n * G, mp + n * G, K, out); },
+      [&](const float* xp, int64_t M, float* yp, int64_t n0, int64_t n1) {
+        q4_gemv(xp, M, K, q, dp, mp, yp, N, n0, n1);
+      });
+}
+
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  const int64_t N = qs.size(0), K = qs.size(1), gs = K / d.size(1);
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous(), "q8 arrays must be contiguous");
+  const int8_t* q = qs.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const int64_t G = d.size(1);
+  return quant_mm(
+      x, N, K, [&](int64_t n, float* out) { deq_q8_row(q + n * K, dp + n * G, K, gs, out); },
+      [&](const float* xp, int64_t M, float* yp, int64_t n0, int64_t n1) {
+        q8_gemv(xp, M, K, gs, q, dp, yp, N, n0, n1);
+      });
+}
+"""
+
+
+@functools.cache
+def _ops() -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    os.environ.setdefault("MAX_JOBS", "2")
+    return load_inline(
+        name="pagebus_quant_cpu",
+        cpp_sources=_SOURCE,
+        functions=["q4_mm", "q8_mm"],
+        extra_cflags=["-O3", "-march=native"],
+        verbose=False,
+    )
+
+
+def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return _ops().q4_mm(x, qs, d, m)  # type: ignore[no-any-return]
+
+
+def q8_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return _ops().q8_mm(x, qs, d)  # type: ignore[no-any-return]

@@ -1,0 +1,201 @@
+"""GGUF weights kept in their quantized blocks (`--quantization gguf`): Q4_0, Q4_1 and Q8_0.
+
+The loader hands each quantized checkpoint matrix over as a `GGUFWeight` (its raw blocks, one
+row of blocks per output row), and `GGUFLinearMethod` splits the blocks into the arrays the CPU
+kernels read (cpu_kernels.py) without making a float copy of the matrix. A fused layer's shards
+may come in different types (llama.cpp's mixes do that): each shard run is multiplied on its
+own and the outputs concatenated; shards of one type are merged into one matrix.
+
+Float tensors in the same file (F32/F16/BF16 matrices) are kept as float32 and go through
+F.linear. K-quants and every other type are refused by name at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pagebus.workers.layers.quant import cpu_kernels
+from pagebus.workers.layers.quant.base import LinearMethod
+
+if TYPE_CHECKING:
+    from pagebus.workers.layers.linear import Linear
+
+# Bytes per block of 32 weights: the scale (fp16), for Q4_1 the min (fp16), then the quants.
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+SUPPORTED = tuple(_BLOCK_BYTES)
+_GROUP = 32
+
+
+class UnsupportedQuantType(ValueError):
+    pass
+
+
+@dataclass
+class GGUFWeight:
+    """One quantized matrix as stored: `data` is uint8 [rows, bytes per row] of `qtype` blocks."""
+
+    qtype: str
+    data: torch.Tensor
+    cols: int
+    name: str = ""
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.cols))
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        """Rows, or whole groups of columns (tensor-parallel slicing)."""
+        if dim == 0:
+            return GGUFWeight(self.qtype, self.data.narrow(0, start, length), self.cols, self.name)
+        if start % _GROUP or length % _GROUP:
+            raise ValueError(
+                f"{self.name}: {self.qtype} columns split at {start}+{length}, not whole groups of 32"
+            )
+        b = _BLOCK_BYTES[self.qtype]
+        return GGUFWeight(
+            self.qtype, self.data.narrow(1, start // _GROUP * b, length // _GROUP * b), length, self.name
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[self.qtype]
+        return torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), qtype).astype(np.float32))
+
+
+@dataclass
+class _Part:
+    """Consecutive output rows held in one format."""
+
+    kind: str  # "q4", "q8" or "dense"
+    tensors: list[torch.Tensor]  # q4: qs, d, m; q8: qs, d; dense: [rows, K] float32
+
+    @property
+    def rows(self) -> int:
+        return self.tensors[0].shape[0]
+
+
+def _split(w: GGUFWeight) -> _Part:
+    """The block bytes as the kernels' arrays."""
+    if w.qtype not in _BLOCK_BYTES:
+        raise UnsupportedQuantType(
+            f"{w.name}: GGUF type {w.qtype} cannot stay quantized (supported: {', '.join(SUPPORTED)}); "
+            "serve the file without --quantization gguf to dequantize it at load"
+        )
+    rows, g = w.data.shape[0], w.cols // _GROUP
+    blocks = w.data.contiguous().view(rows, g, _BLOCK_BYTES[w.qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, g).float()
+    if w.qtype == "Q8_0":
+        qs = blocks[..., 2:].contiguous().view(torch.int8).view(rows, g * _GROUP)
+        return _Part("q8", [qs, d])
+    if w.qtype == "Q4_0":
+        m = d * -8.0
+        qs = blocks[..., 2:].contiguous()
+    else:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, g).float()
+        qs = blocks[..., 4:].contiguous()
+    return _Part("q4", [qs, d, m])
+
+
+def _dense(p: _Part) -> torch.Tensor:
+    """The part's weights as float32 [rows, K] (reference and non-CPU path)."""
+    if p.kind == "dense":
+        return p.tensors[0]
+    if p.kind == "q8":
+        qs, d = p.tensors
+        return (qs.float().view(qs.shape[0], -1, _GROUP) * d[..., None]).view(qs.shape[0], -1)
+    qs, d, m = p.tensors
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [rows, G, 32]: low nibbles first
+    return (q * d[..., None] + m[..., None]).view(qs.shape[0], -1)
+
+
+def _rows(p: _Part, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the part, dequantized (a tied embedding's lookup)."""
+    return _dense(_Part(p.kind, [t[ids] for t in p.tensors]))
+
+
+def _mm(p: _Part, x: torch.Tensor) -> torch.Tensor:
+    if p.kind == "dense":
+        return F.linear(x, p.tensors[0])
+    if x.device.type != "cpu":
+        return F.linear(x, _dense(p).to(x.dtype))
+    if p.kind == "q8":
+        return cpu_kernels.q8_mm(x, *p.tensors)
+    return cpu_kernels.q4_mm(x, *p.tensors)
+
+
+class GGUFLinearMethod(LinearMethod):
+    """One per layer (it holds that layer's shards until they are merged)."""
+
+    def __init__(self) -> None:
+        self.shards: dict[str | int | None, _Part] = {}
+        self.parts: list[_Part] = []
+
+    def create_weights(self, layer: Linear, in_features: int, out_features: int) -> None:
+        # A placeholder until the blocks arrive; its identity stays (a tied embedding shares it).
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        layer.weight.weight_loader = layer.load_weight  # type: ignore[attr-defined]
+
+    def load(self, layer: Linear, w: Any, shard: str | int | None) -> None:
+        rows = layer.shard_offsets[shard][1] if shard is not None else layer.out_features
+        if tuple(w.shape) != (rows, layer.in_features):
+            raise ValueError(
+                f"linear shard {shard}: expected shape {(rows, layer.in_features)}, checkpoint has {tuple(w.shape)}"
+            )
+        self.shards[shard] = (
+            _split(w) if isinstance(w, GGUFWeight) else _Part("dense", [w.float().contiguous()])
+        )
+
+    def process_after_loading(self, layer: Linear) -> None:
+        if not self.shards:
+            return
+        order: list[str | int | None] = [None] if None in self.shards else list(layer.shard_offsets)
+        parts: list[_Part] = []
+        for key in order:
+            p = self.shards[key]
+            if parts and parts[-1].kind == p.kind:  # same format: one matrix, one kernel call
+                prev = parts[-1]
+                parts[-1] = _Part(
+                    p.kind, [torch.cat([a, b]) for a, b in zip(prev.tensors, p.tensors, strict=True)]
+                )
+            else:
+                parts.append(p)
+        self.shards, self.parts = {}, parts
+        # Held by the layer too, so memory counts see them: the first part's quants are `weight`
+        # itself (the Parameter a tied embedding shares), the rest buffers.
+        layer.weight.data = parts[0].tensors[0]
+        for i, p in enumerate(parts):
+            for j, t in enumerate(p.tensors):
+                if (i, j) != (0, 0):
+                    layer.register_buffer(f"gguf_{i}_{j}", t, persistent=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xf = x2.float() if x2.device.type == "cpu" else x2
+        parts = self.parts
+        y = _mm(parts[0], xf) if len(parts) == 1 else torch.cat([_mm(p, xf) for p in parts], dim=-1)
+        y = y.to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*shape[:-1], layer.out_features)
+
+    def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) != 1:
+            raise ValueError("a tied embedding over a head of mixed GGUF types")
+        return _rows(self.parts[0], ids).to(torch.get_default_dtype())
+
+
+def gguf_weight(tensor: Any, name: str) -> GGUFWeight:
+    """A GGUF matrix (workers/gguf_file.py's GGUFTensor: shape [rows, cols], uint8 blocks per row)."""
+    rows, cols = tensor.shape
+    # a copy of the packed bytes: mmap views are read-only, and mmap reads stall on some VMs
+    raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(rows, -1))
+    return GGUFWeight(tensor.tensor_type.name, raw, int(cols), name)

@@ -1,0 +1,24 @@
+"""Which linear method a checkpoint gets, from `--quantization` and the checkpoint itself."""
+
+from __future__ import annotations
+
+from pagebus.workers.layers.quant.base import LinearMethodFactory
+
+
+def resolve(quantization: str | None, is_gguf: bool) -> str:
+    """The format the weights are held in: "gguf" (packed blocks) or "none" (float)."""
+    if quantization is None:
+        return "none"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf file; this checkpoint is not one")
+    if quantization not in ("gguf", "none"):
+        raise ValueError(f"--quantization {quantization!r} is not supported (gguf, none)")
+    return quantization
+
+
+def factory(resolved: str) -> LinearMethodFactory | None:
+    if resolved == "gguf":
+        from pagebus.workers.layers.quant.gguf import GGUFLinearMethod
+
+        return lambda layer: GGUFLinearMethod()
+    return None
