@@ -13,9 +13,12 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pagebus.workers.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,21 @@ class Ops:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, layer: int, scale: float
+    ) -> torch.Tensor:
+        """One layer's attention over the paged cache: this step's K/V are written first, so a
+        sequence may attend to blocks another sequence fills in this very step (every layer's
+        write precedes its reads). q [T, h, d], k/v [T, kv_h, d] -> [T, h, d]."""
+        k_cache, v_cache = fb.kv_caches[layer]
+        memo = fb.step_cache
+        self.write_kv_cache(k, v, k_cache, v_cache, fb.slot_mapping, memo=memo)
+        return self.paged_attention(
+            q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, scale,
+            max_query_len=fb.max_query_len, max_seq_len=fb.max_seq_len,
+            seq_lens_host=fb.seq_lens_host, query_start_loc_host=fb.query_start_loc_host, memo=memo,
+        )  # fmt: skip
 
 
 def torch_ops() -> Ops:

@@ -73,17 +73,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim), fb).reshape(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim), fb).reshape(k.shape)
-        memo = fb.step_cache
-        q, k = fb.ops.rotary_embedding(fb.positions, q, k, cos_sin, memo=memo)
-        k_cache, v_cache = fb.kv_caches[self.layer_idx]
-        # Every new K/V of the step is written before any attention reads the cache, so a
-        # sequence may attend to blocks another sequence fills in this very step.
-        fb.ops.write_kv_cache(k, v, k_cache, v_cache, fb.slot_mapping, memo=memo)
-        o = fb.ops.paged_attention(
-            q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
-            max_query_len=fb.max_query_len, max_seq_len=fb.max_seq_len,
-            seq_lens_host=fb.seq_lens_host, query_start_loc_host=fb.query_start_loc_host, memo=memo,
-        )  # fmt: skip
+        q, k = fb.ops.rotary_embedding(fb.positions, q, k, cos_sin, memo=fb.step_cache)
+        o = fb.ops.attention(q, k, v, fb, self.layer_idx, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
