@@ -70,12 +70,15 @@ def allreduce_cost(rows: list[int], iters: int) -> dict[str, Any]:
 
 
 def layout_run(
-    tp: int, pp: int, prompts: list[list[int]], output_len: int
+    tp: int, pp: int, prompts: list[list[int]], output_len: int, num_threads: int | None
 ) -> tuple[dict[str, Any], list[list[int]]]:
     from pagebus import LLM, SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, multiprocess=True, seed=0)
+    llm = LLM(
+        dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, multiprocess=True, seed=0,
+        num_threads=num_threads,
+    )  # fmt: skip
     startup = time.monotonic() - t0
     try:
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -106,19 +109,27 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--allreduce-rows", type=int, nargs="+", default=[1, 8, 32, 256])
     ap.add_argument("--allreduce-iters", type=int, default=500)
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="layouts run in turn this many times (load spikes hit all)"
+    )
+    ap.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads per worker (default: cores / ranks)"
+    )
     args = ap.parse_args()
     setup_logging()
     comm = allreduce_cost(args.allreduce_rows, args.allreduce_iters)
     log.info("all-reduce: %s", comm)
     prompts = [[(7 * i + 13 * j) % 30000 + 100 for j in range(args.input_len)] for i in range(args.requests)]
     rows, first = [], None
-    for spec in args.layouts:
-        tp, pp = (int(x) for x in spec.split("x"))
-        row, tokens = layout_run(tp, pp, prompts, args.output_len)
-        if first is None:
-            first = tokens
-        row["outputs_equal_first_layout"] = tokens == first
-        rows.append(row)
+    for rnd in range(args.rounds):
+        for spec in args.layouts:
+            tp, pp = (int(x) for x in spec.split("x"))
+            row, tokens = layout_run(tp, pp, prompts, args.output_len, args.num_threads)
+            if first is None:
+                first = tokens
+            row["round"] = rnd
+            row["outputs_equal_first_layout"] = tokens == first
+            rows.append(row)
     emit(
         {
             "bench": "parallel",
@@ -126,6 +137,7 @@ def main() -> None:
             "input_len": args.input_len,
             "output_len": args.output_len,
             "hidden_size": HIDDEN,
+            "num_threads": args.num_threads,
             "allreduce": comm,
             "layouts": rows,
         }
