@@ -1,6 +1,6 @@
-"""Tensor and pipeline parallelism on a tiny random Llama (HF safetensors, tied embeddings, one
-KV head, a vocabulary and MLP width that split into uneven-looking shares): every layout's
-greedy tokens and prefill logits equal one rank's, over gloo on this CPU."""
+"""Tensor and pipeline parallelism on a tiny random Qwen2 (the Llama decoder plus a QKV bias; HF
+safetensors, tied embeddings, one KV head, a vocabulary of 251 that pads to 2 x 126 rows): every
+layout's greedy tokens and prefill logits equal one rank's, over gloo on this CPU."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
-    path = str(tmp_path_factory.mktemp("tiny_gqa1"))
-    cfg = tf.LlamaConfig(
+    path = str(tmp_path_factory.mktemp("tiny_qwen2_gqa1"))
+    cfg = tf.Qwen2Config(  # the Llama decoder with a QKV bias, which is cut like its weight
         vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
     )  # fmt: skip
