@@ -3,10 +3,11 @@
 torch's own CPU ops for packed weights (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
 ran 10-300x slower than fp32 F.linear at this model's shapes on the AVX-512 machine this was
 written on (bench/quant_kernels.py), and dequantizing through torch ops at every call 2-20x
-slower. These kernels dequantize a tile of W^T ([K, nb] floats, small enough to stay in L2)
-and hand it to the BLAS that F.linear uses, one tile per thread: the weight is read from
-memory once, packed (a quarter of bf16's bytes for 4 bits), and the multiply runs at BLAS
-speed for every row count.
+slower. These kernels read the packed weight once per step and dequantize it in registers:
+up to 64 rows of x (decode), 16 rows of W at a time go through AVX-512 FMAs against chunks
+of 8 rows of x, so W is read from memory once and packed (5 bits a weight for Q4_1, against
+32 for fp32); above 64 rows (prefill chunks) W is dequantized once into a float copy and
+multiplied by the BLAS that F.linear uses. Without AVX-512 the same loops run in scalar C++.
 
 Layouts (GGUF's own block contents, split into arrays; `G = K / 32` groups per row):
 - q4: qs uint8 [N, G, 16], d and m float32 [N, G]: in group g, byte j holds column 32g+j in
@@ -53,7 +54,8 @@ static inline void deq_q8_row(const int8_t* __restrict__ qs, const float* __rest
   }
 }
 
-constexpr int64_t kMaxGemvRows = 4;
+constexpr int64_t kMaxGemvRows = 8;  // accumulators in registers: 8 of AVX-512's 32
+constexpr int64_t kMaxGemvM = 64;  // above: one dequantized copy of W and one BLAS call
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -132,8 +134,6 @@ static void q8_gemv(const float* xp, int64_t M, int64_t K, int64_t gs, const int
   }
 }
 
-// Few rows (decode): the GEMV above. More rows: tiles of nb rows of W dequantized into a
-// [nb, K] buffer (L2) and multiplied by BLAS (single-threaded inside the parallel region).
 #ifdef __AVX512F__
 static inline void deq_q4_row_v(const uint8_t* qs, const float* d, const float* m, int64_t K, float* out) {
   for (int64_t g = 0; g < K / 32; ++g) {
@@ -157,22 +157,24 @@ static torch::Tensor quant_mm(const torch::Tensor& x, int64_t N, int64_t K, Deq 
   auto y = torch::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M <= kMaxGemvRows) {
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv(xp, M, yp, n0, n1); });
+  if (M <= kMaxGemvM) {
+    // 16 rows of W at a time (a few KiB, L1) against every chunk of 8 rows of x.
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t b0 = n0; b0 < n1; b0 += 16) {
+        const int64_t b1 = std::min(n1, b0 + 16);
+        for (int64_t r0 = 0; r0 < M; r0 += kMaxGemvRows)
+          gemv(xp + r0 * K, std::min(kMaxGemvRows, M - r0), yp + r0 * N, b0, b1);
+      }
+    });
     return y;
   }
-  const int64_t nb = std::max<int64_t>(16, std::min<int64_t>(256, (256 * 1024) / K));
-  const int64_t tiles = (N + nb - 1) / nb;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    auto buf = torch::empty({nb, K}, xc.options());
-    float* b = buf.data_ptr<float>();
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * nb, cnt = std::min(nb, N - n0);
-      for (int64_t i = 0; i < cnt; ++i) deq(n0 + i, b + i * K);
-      auto out = y.narrow(1, n0, cnt);
-      at::mm_out(out, xc, buf.narrow(0, 0, cnt).t());
-    }
+  // Prefill-sized: dequantize W once (in parallel), then one multithreaded BLAS call.
+  auto w = torch::empty({N, K}, xc.options());
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) deq(n, wp + n * K);
   });
+  at::mm_out(y, xc, w.t());
   return y;
 }
 

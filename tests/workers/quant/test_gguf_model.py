@@ -1,0 +1,54 @@
+"""The default model served from its own Q4_1 GGUF, kept packed, against the same weights
+dequantized at load: greedy tokens on the oracle prompts, and the weights' resident bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagebus.bus.config import EngineConfig
+from pagebus.frontends.tokenizer import Tokenizer
+from pagebus.workers.layers.quant import select
+from pagebus.workers.loader import resident_weight_bytes
+from pagebus.workers.runner import ModelRunner
+
+from tests.workers.drive import drive_greedy
+from tests.workers.oracle import PROMPTS
+
+STEPS = 16
+
+
+def _runner(path: str, quantization: str) -> ModelRunner:
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=128, max_num_seqs=8, quantization=quantization)
+    return ModelRunner(cfg, path)
+
+
+@pytest.fixture(scope="module")
+def runners(default_model: str) -> dict[str, ModelRunner]:
+    return {q: _runner(default_model, q) for q in ("gguf", "none")}
+
+
+def test_greedy_tokens_match_dequantized(runners: dict[str, ModelRunner], default_model: str) -> None:
+    tok = Tokenizer.from_model(default_model)
+    prompts = {f"p{i}": (tok.encode(p), STEPS) for i, p in enumerate(PROMPTS)}
+    packed, _ = drive_greedy(runners["gguf"], prompts)
+    dense, _ = drive_greedy(runners["none"], prompts)
+    assert packed == dense
+
+
+def test_q4_1_weights_take_at_most_half_their_bf16_bytes(runners: dict[str, ModelRunner]) -> None:
+    """Counted on the parameters and buffers the model holds (packed ones as packed)."""
+    dense = runners["none"].model
+    params = sum(p.numel() for p in dense.parameters())  # fp32 model: one value per weight
+    bf16_bytes = params * 2
+    held = resident_weight_bytes(runners["gguf"].model)
+    assert held <= bf16_bytes // 2, (held, bf16_bytes)
+    assert resident_weight_bytes(dense) == params * 4
+    packed = [m for m in runners["gguf"].model.modules() if hasattr(m, "quant_method")]
+    assert packed and all(m.weight.dtype in (torch.uint8, torch.int8) for m in packed)
+
+
+def test_gguf_quantization_needs_a_gguf_file() -> None:
+    with pytest.raises(ValueError, match=r"needs a \.gguf file"):
+        select.resolve("gguf", is_gguf=False)
+    with pytest.raises(ValueError, match="'awq' is not supported"):
+        select.resolve("awq", is_gguf=True)
