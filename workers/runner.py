@@ -34,7 +34,7 @@ from pagebus.workers.device import (
     pick_dtype,
     profiled_kv_budget,
 )
-from pagebus.workers.distributed.layout import local_kv_config, split_microbatches
+from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
 from pagebus.workers.input_batch import InputBuffers, StepTensors
@@ -361,20 +361,17 @@ class ModelRunner:
         if self._drafts:
             for seq_id, drafts in self._drafts.items():
                 self.seqs[seq_id].token_ids.extend(drafts)  # verified below, then cut back
-        if self._drafts or self.parallel.layout.pp_size == 1:
-            step = self._prepare(scheduled)
-            logits, sampling = self._run(step), step.sampling
-        else:
-            logits, sampling = self._run_microbatches(scheduled)
+        step = self._prepare(scheduled)
+        logits = self._run(step)
         if self._drafts:
-            return self._verify(batch.step_id, logits, sampling)
-        tokens, logprobs = self._sample(logits, sampling)
-        for seq_id, tok in zip(sampling, tokens, strict=True):
+            return self._verify(batch.step_id, logits, step.sampling)
+        tokens, logprobs = self._sample(logits, step.sampling)
+        for seq_id, tok in zip(step.sampling, tokens, strict=True):
             self.seqs[seq_id].token_ids.append(tok)
         any_lp = any(lp is not None for lp in logprobs)
         return BatchResult(
             step_id=batch.step_id,
-            seq_ids=sampling,
+            seq_ids=step.sampling,
             token_ids=tokens,
             logprobs=logprobs if any_lp else [],
         )
@@ -434,23 +431,6 @@ class ModelRunner:
             logits_rows,
         )
         return _Step(t, meta, sampling, size, num_seqs, every_row_samples)
-
-    def _run_microbatches(self, scheduled: list[tuple[str, int, int]]) -> tuple[torch.Tensor, list[str]]:
-        """Pipeline parallelism: the step's sequences in pp_size micro-batches run one after
-        another on every rank, so stage s computes micro-batch i + 1 while stage s + 1 computes
-        micro-batch i (activations leave by point-to-point sends that do not wait for the
-        receiver's compute). Logits (last stage only; an empty stand-in before) come in order."""
-        parts: list[torch.Tensor] = []
-        sampling: list[str] = []
-        for group in split_microbatches(scheduled, self.parallel.layout.pp_size):
-            step = self._prepare(group)
-            logits = self._run(step)
-            if logits is not None:
-                parts.append(logits)
-            sampling += step.sampling
-            if self._ids_ready is not None:  # CUDA: the next load rewrites the pinned inputs
-                torch.cuda.current_stream(self.device).synchronize()
-        return (torch.cat(parts) if parts else torch.empty(0)), sampling
 
     def _forward_batch(
         self, t: StepTensors, meta: StepMeta, logits_indices: torch.Tensor, kv_caches: KVCaches

@@ -9,7 +9,6 @@ from pagebus.workers.distributed.layout import (
     UnsplittableModelError,
     balanced_split,
     split_heads,
-    split_microbatches,
 )
 
 
@@ -48,12 +47,3 @@ def test_ranks_are_stage_major_and_layers_contiguous() -> None:
     assert {x.result_rank for x in lay} == {2}
     with pytest.raises(UnsplittableModelError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
         Layout(1, 3, 0).layers(2)
-
-
-def test_microbatches_are_contiguous_and_balanced_in_tokens() -> None:
-    decodes = [(f"d{i}", 5, 1) for i in range(4)]
-    assert split_microbatches(decodes, 2) == [decodes[:2], decodes[2:]]
-    mixed = [("p", 0, 100), ("d0", 9, 1), ("d1", 9, 1)]
-    assert split_microbatches(mixed, 2) == [mixed[:1], mixed[1:]]
-    assert split_microbatches(decodes[:1], 2) == [decodes[:1]]
-    assert [x for g in split_microbatches(decodes, 3) for x in g] == decodes

@@ -119,17 +119,3 @@ def local_kv_config(mc: ModelConfig, parallel: Parallel) -> ModelConfig:
     lay = parallel.layout
     heads = split_heads(mc.num_heads, mc.num_kv_heads, lay.tp_size, lay.tp_rank)
     return dataclasses.replace(mc, num_kv_heads=heads.num_kv, num_layers=len(lay.layers(mc.num_layers)))
-
-
-def split_microbatches(scheduled: list[tuple[str, int, int]], parts: int) -> list[list[tuple[str, int, int]]]:
-    """At most `parts` contiguous groups of (seq_id, computed, num_tokens), about equal in tokens:
-    a sequence's chunk stays whole, so its logits rows keep their order."""
-    total = sum(n for _, _, n in scheduled)
-    groups: list[list[tuple[str, int, int]]] = [[]]
-    acc = 0
-    for item in scheduled:
-        if groups[-1] and len(groups) < parts and acc >= total * len(groups) / parts:
-            groups.append([])
-        groups[-1].append(item)
-        acc += item[2]
-    return groups
