@@ -52,7 +52,7 @@ from pagebus.workers.loader import (
 from pagebus.workers.model_config import ModelConfig
 from pagebus.workers.models import model_class
 from pagebus.workers.ops import select_ops
-from pagebus.workers.sampling import Sampler, SampleRow
+from pagebus.workers.sampling import Sampler, SampleRow, greedy_ids
 from pagebus.workers.sampling import _plain_greedy as _plain_greedy_row
 from pagebus.workers.spec.draft import DraftModel
 from pagebus.workers.spec.verify import accepted_tokens, verify_rows
@@ -542,7 +542,7 @@ class ModelRunner:
     def _greedy_ids(self, logits: torch.Tensor) -> list[int]:
         """Argmax on the device; only the ids come back (through pinned memory on CUDA, waiting
         on an event rather than the stream, which sync-debug mode would flag)."""
-        ids = logits.argmax(dim=-1)
+        ids = greedy_ids(logits)
         if self._ids_ready is None:
             return ids.tolist()
         host = self._ids_host[: ids.shape[0]]

@@ -50,6 +50,30 @@ _SYNC_FREE_DEVICES = frozenset({"cpu"})  # where sample() may read a tensor back
 _ToDevice = Callable[[list[Any], torch.dtype], torch.Tensor]  # host list -> device tensor
 
 
+_ARGMAX_CHUNK = 1024
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) of [rows, vocab] logits, the same ids (the first maximum of each row).
+
+    On CPUs torch's row-wise argmax over a wide row runs ~5x slower than a max over it (2.4 ms
+    against 0.3 ms for 32 x 49152, one thread), so several rows go in two passes: the max of
+    every 1024-wide chunk, then the argmax of the first chunk holding the row's maximum (0.5 ms).
+    """
+    rows, vocab = logits.shape
+    n = vocab // _ARGMAX_CHUNK
+    if logits.device.type != "cpu" or rows < 2 or n < 2 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    head = logits[:, : n * _ARGMAX_CHUNK].view(rows, n, _ARGMAX_CHUNK)
+    chunk = head.amax(dim=-1).argmax(dim=-1)
+    ids = chunk * _ARGMAX_CHUNK + head[torch.arange(rows), chunk].argmax(dim=-1)
+    if n * _ARGMAX_CHUNK < vocab:  # the tail wins only if strictly greater (ids stay the first)
+        tail_max, tail_id = logits[:, n * _ARGMAX_CHUNK :].max(dim=-1)
+        better = tail_max > logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+        ids = torch.where(better, tail_id + n * _ARGMAX_CHUNK, ids)
+    return ids
+
+
 @dataclass
 class SampleRow:
     params: SamplingParams
@@ -332,7 +356,7 @@ class Sampler:
                 raise RuntimeError("a structured-output row reached a Sampler without grammars")
             self.grammars.mask(logits, constrained)
         if all(_plain_greedy(r) for r in rows):  # most decode steps: the argmax is all there is
-            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+            return greedy_ids(logits).tolist(), [None] * len(rows)
         st = SamplingTensors.build(rows, logits.shape[-1], logits.device, engine_call)
         return self.sample(logits, st).to_host()
 

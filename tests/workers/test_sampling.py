@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from pagebus.bus.messages import SamplingParams
-from pagebus.workers.sampling import Sampler, SampleRow
+from pagebus.workers.sampling import Sampler, SampleRow, greedy_ids
 
 VOCAB = 64
 
@@ -96,3 +97,18 @@ def test_penalties_and_min_tokens() -> None:
         logits, [_row(SamplingParams(temperature=0.0, repetition_penalty=2.0), output=[7])]
     )
     assert tokens == [8]
+
+
+@pytest.mark.parametrize("vocab", [1000, 2048, 5000, 49152, 128256])
+@pytest.mark.parametrize("rows", [1, 2, 33])
+def test_greedy_ids_is_argmax_first_maximum_included(vocab: int, rows: int) -> None:
+
+    g = torch.Generator().manual_seed(vocab + rows)
+    x = torch.randn(rows, vocab, generator=g)
+    assert torch.equal(greedy_ids(x), x.argmax(-1))
+    # ties: across chunks, inside one, and between the chunks and the tail: the first wins
+    x = torch.zeros(rows, vocab)
+    for i in range(rows):
+        for j in sorted({(7 * i) % vocab, (7 * i + 1500) % vocab, vocab - 1 - i % 3}):
+            x[i, j] = 1.0
+    assert torch.equal(greedy_ids(x), x.argmax(-1))
