@@ -377,7 +377,7 @@ class Sampler:
             if st.min_tokens_idx is not None:
                 work.view(-1).index_fill_(0, st.min_tokens_idx, -math.inf)
         if st.random is None:
-            tokens = work.argmax(dim=-1)
+            tokens = greedy_ids(work)
         else:
             r = st.random
             x = (work[r.rows] if r.rows is not None else work) / r.temperature
@@ -388,7 +388,7 @@ class Sampler:
                 tokens = torch.empty(st.num_rows, dtype=torch.long, device=work.device)
                 tokens[r.rows] = drawn
                 if st.greedy_rows is not None:
-                    tokens[st.greedy_rows] = work[st.greedy_rows].argmax(dim=-1)
+                    tokens[st.greedy_rows] = greedy_ids(work[st.greedy_rows])
         out = SampleOutput(tokens, st.logprob_rows, st.logprob_n, None, None, None, None)
         if st.logprob_index is not None:
             lp = torch.log_softmax(raw[st.logprob_index], dim=-1)
