@@ -11,15 +11,17 @@ import glob
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 from pagebus.workers.gguf_file import read_gguf
+from pagebus.workers.layers.quant.gguf import GGUFWeight, gguf_weight
 from pagebus.workers.model_config import ModelConfig, config_from_gguf, config_from_hf
 from torch import nn
 
-WeightIter = Iterator[tuple[str, torch.Tensor]]
+# A quantized GGUF matrix comes as its packed blocks (GGUFWeight), everything else as a tensor.
+WeightIter = Iterator[tuple[str, "torch.Tensor | GGUFWeight"]]
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -91,8 +93,6 @@ def iter_gguf(path: str, cfg: ModelConfig, keep_quantized: bool = False) -> Weig
         rope = cfg.family == "llama" and m is not None and m.group(2) in ("attn_q", "attn_k")
         heads = cfg.num_heads if m is not None and m.group(2) == "attn_q" else cfg.num_kv_heads
         if keep_quantized and t.tensor_type.name not in _FLOAT_TYPES and len(t.shape) == 2:
-            from pagebus.workers.layers.quant.gguf import gguf_weight
-
             q = gguf_weight(t, t.name)
             if rope:  # whole rows of blocks move: the same row permutation as the values'
                 q.data = _unpermute_rope(q.data, heads)
@@ -138,7 +138,7 @@ def load_weights(model: nn.Module, weights: WeightIter) -> None:
         param = params.get(name)
         if param is None:
             raise KeyError(f"checkpoint tensor {ckpt_name!r} has no parameter in {type(model).__name__}")
-        loader = getattr(param, "weight_loader", _default_loader)
+        loader: Callable[..., None] = getattr(param, "weight_loader", _default_loader)
         if not isinstance(tensor, torch.Tensor) and not _keeps_packed(loader):
             tensor = tensor.dequantize()  # e.g. an untied embedding: looked up as floats
         loader(param, tensor, shard)

@@ -60,6 +60,8 @@ class Linear(nn.Module):
     argument, else the loader's choice for this checkpoint, else the unquantized method.
     """
 
+    weight: nn.Parameter  # set by the quant method (packed formats hold their quants in it)
+
     def __init__(
         self,
         in_features: int,

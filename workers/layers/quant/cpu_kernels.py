@@ -222,8 +222,8 @@ def _ops() -> Any:
 
 
 def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return _ops().q4_mm(x, qs, d, m)  # type: ignore[no-any-return]
+    return _ops().q4_mm(x, qs, d, m)
 
 
 def q8_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return _ops().q8_mm(x, qs, d)  # type: ignore[no-any-return]
+    return _ops().q8_mm(x, qs, d)
