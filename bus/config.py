@@ -17,8 +17,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 LoadFormat = Literal["auto", "dummy"]
-# gguf: a GGUF file's blocks stay packed (Q4_0/Q4_1/Q8_0); none: dequantized at load
-Quantization = Literal["gguf", "none"]
+# gguf: a GGUF file's blocks stay packed (Q4_0/Q4_1/Q8_0); int8: weight-only, per channel, made
+# at load from any float checkpoint; none: dequantized at load
+Quantization = Literal["gguf", "int8", "none"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 SpecMethod = Literal["ngram", "draft_model"]

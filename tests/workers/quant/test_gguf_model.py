@@ -14,7 +14,7 @@ from pagebus.workers.runner import ModelRunner
 from tests.workers.drive import drive_greedy
 from tests.workers.oracle import PROMPTS
 
-STEPS = 16
+STEPS = 8
 
 
 def _runner(path: str, quantization: str) -> ModelRunner:

@@ -1,4 +1,5 @@
-"""GGUF weights kept in their quantized blocks (`--quantization gguf`): Q4_0, Q4_1 and Q8_0.
+"""GGUF weights kept in their quantized blocks (`--quantization gguf`): Q4_0, Q4_1 and Q8_0;
+and `--quantization int8` (any float checkpoint, quantized at load) through the same kernels.
 
 The loader hands each quantized checkpoint matrix over as a `GGUFWeight` (its raw blocks, one
 row of blocks per output row), and `GGUFLinearMethod` splits the blocks into the arrays the CPU
@@ -109,8 +110,8 @@ def _dense(p: _Part) -> torch.Tensor:
     if p.kind == "dense":
         return p.tensors[0]
     if p.kind == "q8":
-        qs, d = p.tensors
-        return (qs.float().view(qs.shape[0], -1, _GROUP) * d[..., None]).view(qs.shape[0], -1)
+        qs, d = p.tensors  # d: one scale per group of K / d.shape[1] columns (Q8_0: 32; int8: K)
+        return (qs.float().view(qs.shape[0], d.shape[1], -1) * d[..., None]).view(qs.shape[0], -1)
     qs, d, m = p.tensors
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [rows, G, 32]: low nibbles first
     return (q * d[..., None] + m[..., None]).view(qs.shape[0], -1)
@@ -191,6 +192,24 @@ class GGUFLinearMethod(LinearMethod):
         if len(self.parts) != 1:
             raise ValueError("a tied embedding over a head of mixed GGUF types")
         return _rows(self.parts[0], ids).to(torch.get_default_dtype())
+
+
+def int8_per_channel(w: torch.Tensor) -> _Part:
+    """Symmetric int8 with one scale per output row (max |w| maps to 127)."""
+    w = w.float()
+    d = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return _Part("q8", [torch.round(w / d).clamp_(-127, 127).to(torch.int8).contiguous(), d.contiguous()])
+
+
+class Int8LinearMethod(GGUFLinearMethod):
+    """`--quantization int8`: float checkpoint matrices quantized at load, weight-only, per
+    output channel, through the Q8 kernels (activations stay float32)."""
+
+    def load(self, layer: Linear, w: Any, shard: str | int | None) -> None:
+        if isinstance(w, GGUFWeight):
+            w = w.dequantize()
+        super().load(layer, w, shard)
+        self.shards[shard] = int8_per_channel(self.shards[shard].tensors[0])
 
 
 def gguf_weight(tensor: Any, name: str) -> GGUFWeight:
