@@ -165,3 +165,7 @@ def _ratio(ours: dict[str, Any], theirs: dict[str, Any], mode: str) -> float | N
     key = "decode_tokens_per_s" if mode == "single" else "output_tokens_per_s"
     a, b = ours.get(mode, {}).get(key), theirs.get(mode, {}).get(key)
     return round(a / b, 2) if a and b else None
+
+
+if __name__ == "__main__":
+    main()
