@@ -212,13 +212,19 @@ def _ops() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     os.environ.setdefault("MAX_JOBS", "2")
-    return load_inline(
-        name="pagebus_quant_cpu",
-        cpp_sources=_SOURCE,
-        functions=["q4_mm", "q8_mm"],
-        extra_cflags=["-O3", "-march=native"],
-        verbose=False,
-    )
+    try:  # once per machine and source: torch caches the build (~1 min on 2 cores)
+        return load_inline(
+            name="pagebus_quant_cpu",
+            cpp_sources=_SOURCE,
+            functions=["q4_mm", "q8_mm"],
+            extra_cflags=["-O3", "-march=native"],
+            verbose=False,
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"building the quantized-weight CPU kernels failed ({type(e).__name__}: {e}); they need a C++ "
+            "compiler (g++) and ninja. Serve with --quantization none to dequantize the weights instead"
+        ) from e
 
 
 def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
