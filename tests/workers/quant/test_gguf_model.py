@@ -29,7 +29,7 @@ def runners(default_model: str) -> dict[str, ModelRunner]:
 
 def test_greedy_tokens_match_dequantized(runners: dict[str, ModelRunner], default_model: str) -> None:
     tok = Tokenizer.from_model(default_model)
-    prompts = {f"p{i}": (tok.encode(p), STEPS) for i, p in enumerate(PROMPTS)}
+    prompts = {f"p{i}": (tok.encode(p), STEPS) for i, p in enumerate(PROMPTS[:4])}  # the time budget
     packed, _ = drive_greedy(runners["gguf"], prompts)
     dense, _ = drive_greedy(runners["none"], prompts)
     assert packed == dense
