@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from bench.gpu_e2e import write_llama_config
-from tests.frontends.http.server_proc import ROOT, run_server, wait_until
+from tests.frontends.http.server_proc import ROOT, run_server, wait_all_exited
 
 SHAPE = dict(
     vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,17 +49,6 @@ def _free_port_run(n: int = 5) -> int:
 
 def _descendants(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
 def _worker_pid(parent: int, rank: int) -> int:
@@ -105,7 +94,7 @@ def test_two_nodes_serve_a_stream_and_a_killed_remote_rank_ends_both(tmp_path, d
             conn.close()
             assert head.proc.wait(60) != 0, head.log()[-3000:]
             assert node.wait(30) != 0
-            wait_until(lambda: not _alive(engine), 15, "every process of both nodes to exit")
+            wait_all_exited(engine, 15, "every process of both nodes to exit")
     finally:
         if node.poll() is None:
             node.kill()

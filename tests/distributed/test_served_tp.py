@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.frontends.http.server_proc import Server, run_server, wait_until
+from tests.frontends.http.server_proc import Server, run_server, wait_all_exited
 from tests.workers.oracle import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -110,14 +110,4 @@ def test_sigkill_of_rank_1_fails_in_flight_and_the_server_exits_nonzero(server: 
     conn.close()
     assert server.proc.wait(60) != 0, server.log()[-3000:]
 
-    def alive() -> list[int]:
-        out = []
-        for pid in engine:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                continue
-        return out
-
-    wait_until(lambda: not alive(), 15, "every engine process to exit after the server")
+    wait_all_exited(engine, 15, "every engine process to exit after the server")

@@ -18,6 +18,8 @@ from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import GenerateRequest, SamplingParams
 from pagebus.frontends.engine.client import AsyncEngineClient, EngineDeadError
 
+from tests.frontends.http.server_proc import living
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,13 +29,7 @@ def _gone(pids: list[int], deadline_s: float) -> list[int]:
     end = time.monotonic() + deadline_s
     alive = pids
     while alive and time.monotonic() < end:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
+        alive = living(pids)
         if alive:
             psutil.wait_procs([psutil.Process(p) for p in alive if psutil.pid_exists(p)], timeout=0.1)
     return alive

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.frontends.http.server_proc import Server, run_server, wait_until
+from tests.frontends.http.server_proc import Server, run_server, wait_all_exited, wait_until
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 128
@@ -395,16 +395,4 @@ def test_sigkill_of_the_worker_fails_in_flight_fast_and_the_server_exits_nonzero
     conn.close()
     assert server.proc.wait(60) != 0, server.log()[-3000:]
 
-    def alive() -> list[int]:
-        out = []
-        for pid in engine:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                continue
-        return out
-
-    # No orphans. Engine processes die of PR_SET_PDEATHSIG and multiprocessing's resource tracker
-    # when its pipe from the server closes: both after the server's exit, so give them a moment.
-    wait_until(lambda: not alive(), 15, "every engine process to exit after the server")
+    wait_all_exited(engine, 15, "every engine process to exit after the server")

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STARTUP_DEADLINE = 180.0
@@ -117,3 +118,19 @@ def wait_until(cond: Any, deadline_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+def living(pids: Iterable[int]) -> list[int]:
+    """The pids whose process still runs (a zombie has exited; only its parent has not reaped it)."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+    return out
+
+
+def wait_all_exited(pids: list[int], deadline_s: float, what: str) -> None:
+    """No orphans: engine processes die of PR_SET_PDEATHSIG, and multiprocessing's resource
+    tracker when its pipe from the server closes, both a moment after the server exits."""
+    wait_until(lambda: not living(pids), deadline_s, what)
