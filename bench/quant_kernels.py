@@ -23,14 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import cpu_flags, emit, setup_logging
+from bench.linear_layout import SHAPES
 
-SHAPES = {
-    "qkv": (960, 576),
-    "o": (576, 576),
-    "gate_up": (3072, 576),
-    "down": (576, 1536),
-    "lm_head": (49152, 576),
-}
 G = 32
 
 

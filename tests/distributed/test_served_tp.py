@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.frontends.http.server_proc import Server, run_server, wait_all_exited
+from tests.frontends.http.server_proc import Server, engine_pid, run_server, wait_all_exited
 from tests.workers.oracle import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -83,16 +83,6 @@ def test_metrics_name_the_layout(server: Server) -> None:
     assert m["pagebus:parallel_config_info{pipeline_parallel_size=1,tensor_parallel_size=2}"] == 1.0
 
 
-def _rank_pid(server: Server, rank: int) -> int:
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            if f"pagebus::worker-{rank}" in " ".join(p.cmdline()):
-                return p.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no worker-{rank} process")
-
-
 def test_sigkill_of_rank_1_fails_in_flight_and_the_server_exits_nonzero(server: Server) -> None:
     # Last: it ends the shared server.
     engine = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
@@ -101,7 +91,7 @@ def test_sigkill_of_rank_1_fails_in_flight_and_the_server_exits_nonzero(server: 
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.readline().startswith(b"data: ")  # decoding: rank 0 meets rank 1 in every all-reduce
-    os.kill(_rank_pid(server, 1), signal.SIGKILL)
+    os.kill(engine_pid(server, "worker", 1), signal.SIGKILL)
     t0 = time.monotonic()
     rest = resp.read()  # ends with an in-band error event, then [DONE]
     assert time.monotonic() - t0 < 30

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.frontends.http.server_proc import Server, run_server, wait_all_exited, wait_until
+from tests.frontends.http.server_proc import Server, engine_pid, run_server, wait_all_exited, wait_until
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 128
@@ -71,16 +71,6 @@ def post(server: Server, path: str, body: dict[str, Any], timeout: float = 600) 
 def text_of(path: str, body: dict[str, Any]) -> list[str]:
     key = "text" if path == CMPL else "message"
     return [c[key] if key == "text" else c[key]["content"] for c in body["choices"]]
-
-
-def engine_pid(server: Server, role: str) -> int:
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            if f"pagebus::{role}-0" in " ".join(p.cmdline()):
-                return p.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no {role} process under the server")
 
 
 # ---------------------------------------------------------------------------- hostile bodies

@@ -134,3 +134,12 @@ def wait_all_exited(pids: list[int], deadline_s: float, what: str) -> None:
     """No orphans: engine processes die of PR_SET_PDEATHSIG, and multiprocessing's resource
     tracker when its pipe from the server closes, both a moment after the server exits."""
     wait_until(lambda: not living(pids), deadline_s, what)
+
+
+def engine_pid(server: Server, role: str, rank: int = 0) -> int:
+    """The pid of the server's `pagebus::<role>-<rank>` process."""
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if f"pagebus::{role}-{rank}" in " ".join(p.cmdline()):
+                return p.pid
+    raise AssertionError(f"no {role}-{rank} process under the server")
