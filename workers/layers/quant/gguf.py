@@ -1,14 +1,15 @@
-"""GGUF weights kept in their quantized blocks (`--quantization gguf`): Q4_0, Q4_1 and Q8_0;
-and `--quantization int8` (any float checkpoint, quantized at load) through the same kernels.
+"""GGUF weights kept in their quantized blocks (`--quantization gguf`): Q4_0, Q4_1, Q5_0, Q8_0,
+Q4_K and Q6_K (what Q4_K_M files hold); and `--quantization int8` (any float checkpoint,
+quantized at load) through the same kernels.
 
 The loader hands each quantized checkpoint matrix over as a `GGUFWeight` (its raw blocks, one
-row of blocks per output row), and `GGUFLinearMethod` splits the blocks into the arrays the CPU
-kernels read (cpu_kernels.py) without making a float copy of the matrix. A fused layer's shards
-may come in different types (llama.cpp's mixes do that): each shard run is multiplied on its
-own and the outputs concatenated; shards of one type are merged into one matrix.
+row of blocks per output row), and `GGUFLinearMethod` unpacks the blocks into the arrays the CPU
+kernels read (gguf_blocks.py, cpu_kernels.py) without making a float copy of the matrix. A fused
+layer's shards may come in different types (llama.cpp's mixes do that): each run of one kernel
+layout is multiplied on its own and the outputs concatenated.
 
 Float tensors in the same file (F32/F16/BF16 matrices) are kept as float32 and go through
-F.linear. K-quants and every other type are refused by name at load.
+F.linear. Every other type is refused by name at load.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ import torch
 import torch.nn.functional as F
 from pagebus.workers.layers.quant import cpu_kernels
 from pagebus.workers.layers.quant.base import LinearMethod
+from pagebus.workers.layers.quant.gguf_blocks import BLOCKS, unpack
 
 if TYPE_CHECKING:
     from pagebus.workers.layers.linear import Linear
 
-# Bytes per block of 32 weights: the scale (fp16), for Q4_1 the min (fp16), then the quants.
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-SUPPORTED = tuple(_BLOCK_BYTES)
-_GROUP = 32
+SUPPORTED = tuple(BLOCKS)
 
 
 class UnsupportedQuantType(ValueError):
@@ -52,16 +51,16 @@ class GGUFWeight:
         return 2
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
-        """Rows, or whole groups of columns (tensor-parallel slicing)."""
+        """Rows, or whole blocks of columns (tensor-parallel slicing; 32 or 256 wide)."""
         if dim == 0:
             return GGUFWeight(self.qtype, self.data.narrow(0, start, length), self.cols, self.name)
-        if start % _GROUP or length % _GROUP:
+        group, b = BLOCKS.get(self.qtype, (32, 0))
+        if start % group or length % group or not b:
             raise ValueError(
-                f"{self.name}: {self.qtype} columns split at {start}+{length}, not whole groups of 32"
+                f"{self.name}: {self.qtype} columns split at {start}+{length}, not whole groups of {group}"
             )
-        b = _BLOCK_BYTES[self.qtype]
         return GGUFWeight(
-            self.qtype, self.data.narrow(1, start // _GROUP * b, length // _GROUP * b), length, self.name
+            self.qtype, self.data.narrow(1, start // group * b, length // group * b), length, self.name
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -85,24 +84,13 @@ class _Part:
 
 def _split(w: GGUFWeight) -> _Part:
     """The block bytes as the kernels' arrays."""
-    if w.qtype not in _BLOCK_BYTES:
+    if w.qtype not in BLOCKS:
         raise UnsupportedQuantType(
             f"{w.name}: GGUF type {w.qtype} cannot stay quantized (supported: {', '.join(SUPPORTED)}); "
             "serve the file without --quantization gguf to dequantize it at load"
         )
-    rows, g = w.data.shape[0], w.cols // _GROUP
-    blocks = w.data.contiguous().view(rows, g, _BLOCK_BYTES[w.qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, g).float()
-    if w.qtype == "Q8_0":
-        qs = blocks[..., 2:].contiguous().view(torch.int8).view(rows, g * _GROUP)
-        return _Part("q8", [qs, d])
-    if w.qtype == "Q4_0":
-        m = d * -8.0
-        qs = blocks[..., 2:].contiguous()
-    else:
-        m = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, g).float()
-        qs = blocks[..., 4:].contiguous()
-    return _Part("q4", [qs, d, m])
+    kind, tensors = unpack(w.qtype, w.data, w.cols)
+    return _Part(kind, tensors)
 
 
 def _dense(p: _Part) -> torch.Tensor:
@@ -130,6 +118,13 @@ def _mm(p: _Part, x: torch.Tensor) -> torch.Tensor:
     if p.kind == "q8":
         return cpu_kernels.q8_mm(x, *p.tensors)
     return cpu_kernels.q4_mm(x, *p.tensors)
+
+
+def _same_layout(a: _Part, b: _Part) -> bool:
+    """Same kernel and group size (Q8_0's 32 and Q6_K's 16 both run as q8 but cannot merge)."""
+    return a.kind == b.kind and all(
+        x.shape[1:] == y.shape[1:] for x, y in zip(a.tensors, b.tensors, strict=True)
+    )
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -161,7 +156,7 @@ class GGUFLinearMethod(LinearMethod):
         parts: list[_Part] = []
         for key in order:
             p = self.shards[key]
-            if parts and parts[-1].kind == p.kind:  # same format: one matrix, one kernel call
+            if parts and _same_layout(parts[-1], p):  # one matrix, one kernel call
                 prev = parts[-1]
                 parts[-1] = _Part(
                     p.kind, [torch.cat([a, b]) for a, b in zip(prev.tensors, p.tensors, strict=True)]
