@@ -20,6 +20,9 @@ LoadFormat = Literal["auto", "dummy"]
 # gguf: a GGUF file's blocks stay packed (Q4_0/Q4_1/Q8_0); int8: weight-only, per channel, made
 # at load from any float checkpoint; none: dequantized at load
 Quantization = Literal["gguf", "int8", "none"]
+# The paged KV cache's element type (vLLM's names): auto is the model dtype; fp8 and fp8_e4m3 store
+# e4m3 with a per-layer scale for K and for V (kernels/fp8.py)
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 SpecMethod = Literal["ngram", "draft_model"]
@@ -70,6 +73,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     load_format: LoadFormat = "auto"  # dummy: config.json only, small random weights (benchmarks)
     # Weight format (vLLM's name); None: as stored, a GGUF file's blocks dequantized at load.
     quantization: Quantization | None = None
+    kv_cache_dtype: KVCacheDtype = "auto"
     # Decode batch sizes captured as CUDA graphs (vLLM's name): [] is 1, 2, 4, then multiples of
     # 8 up to 512; one value N is that pattern up to N; several are used as given. Sizes above
     # max_num_seqs are dropped. CUDA only.

@@ -8,6 +8,8 @@ Layout shared by every attention op:
     query_start_loc: [num_seqs + 1] int32, prefix sums of the per-sequence query lengths
 Query token i of a sequence with query length n sits at absolute position seq_len - n + i and
 attends causally to keys 0..that position. GQA: head h reads KV head h // (num_heads // num_kv_heads).
+An fp8 (e4m3) cache holds K / k_scale and V / v_scale (kernels/fp8.py): every op takes the two
+per-tensor floats, folds k_scale into the softmax scale and multiplies the output by v_scale.
 
 The Triton path is one kernel for decodes and prefill chunks alike. A program owns a tile of
 BLOCK_M rows = BLOCK_Q query tokens x the (padded) query-head group of one KV head, so each K/V
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from pagebus.kernels._cast import cast_rtne
+from pagebus.kernels.fp8 import is_fp8
 
 _LOG2E = 1.4426950408889634
 
@@ -52,13 +55,18 @@ def paged_attention_ref(
     max_seq_len: int | None = None,
     seq_lens_host: list[int] | None = None,
     query_start_loc_host: list[int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The spec, and the CPU path: decodes go through one padded batched SDPA, prefill chunks
     one by one (they are few and large, so the loop costs nothing). Softmax runs in fp32.
 
     seq_lens_host / query_start_loc_host: host copies of the two tensors; when given, neither
     tensor is read back. max_query_len / max_seq_len complete the launchers' common signature;
-    this path derives both from the per-sequence lengths it needs anyway."""
+    this path derives both from the per-sequence lengths it needs anyway. k_scale / v_scale: an
+    fp8 cache's scales, applied to the values read (dequantize, then attend)."""
+    if k_scale != 1.0 or v_scale != 1.0:
+        k_cache, v_cache = k_cache.float() * k_scale, v_cache.float() * v_scale
     out = torch.empty_like(q)
     starts = query_start_loc.tolist() if query_start_loc_host is None else query_start_loc_host
     lens = seq_lens.tolist() if seq_lens_host is None else seq_lens_host
@@ -182,7 +190,8 @@ def _paged_attn_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32, when NUM_SPLITS > 1
     part_ml_ptr,  # [num_tokens, num_heads, NUM_SPLITS, 2] fp32 (running max, sum of exp)
     num_seqs,
-    scale_log2,  # softmax scale * log2(e): the kernel uses exp2
+    scale_log2,  # softmax scale * log2(e) (* k_scale for an fp8 cache): the kernel uses exp2
+    v_scale,  # fp8 caches: the output's factor
     stride_qt,
     stride_qh,
     stride_ot,
@@ -204,6 +213,7 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE_DOT: tl.constexpr,  # fp16/bf16 operands into tl.dot (GPU only), else fp32
+    KV_FP8: tl.constexpr,  # e4m3 caches: K/V widened to q's dtype (exact) right after the load
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -238,9 +248,9 @@ def _paged_attn_kernel(
     q_off = tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     # [BLOCK_M, HEAD_PAD]; upcast right after the load: bf16 arithmetic is wrong under the interpreter.
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if NATIVE_DOT:
+    if NATIVE_DOT and not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
-    else:
+    elif not NATIVE_DOT:
         q = q.to(tl.float32)
 
     # This split's KV range, in whole BLOCK_N steps, cut at the tile's causal horizon.
@@ -261,6 +271,8 @@ def _paged_attn_kernel(
         in_page = kv % PAGE_SIZE
         k_off = page[None, :] * stride_kb + in_page[None, :] * stride_kt + kvh * stride_kh + d[:, None]
         k = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         if not NATIVE_DOT:
             k = k.to(tl.float32)
         # Scale after the dot, not into q: fp16/bf16 q stays exact in tf32.
@@ -277,12 +289,16 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = page[:, None] * stride_vb + in_page[:, None] * stride_vt + kvh * stride_vh + d[None, :]
         v = tl.load(v_cache_ptr + v_off, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         if NATIVE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale  # linear: partials may carry it into the merge
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_off = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -364,6 +380,8 @@ def paged_attention(
     query_start_loc_host: list[int] | None = None,
     out: torch.Tensor | None = None,
     options: PagedAttentionOptions | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref` (same layout and result).
 
@@ -376,7 +394,8 @@ def paged_attention(
     seq_lens_host / query_start_loc_host: host copies of those tensors (the kernel itself only
         reads the device tensors).
     out: [num_tokens, num_heads, head_dim] buffer to write into; rows past the last sequence
-        (padding tokens) are left untouched."""
+        (padding tokens) are left untouched.
+    k_scale / v_scale: an fp8 cache's scales (ignored for other cache dtypes)."""
     opts = options or PagedAttentionOptions()
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
@@ -406,6 +425,9 @@ def paged_attention(
     # An fp32 operand on either side needs full-precision products: tf32 (and a native 16-bit
     # dot) would round an fp32 q to 10 mantissa bits.
     fp32 = k_cache.dtype == torch.float32 or q.dtype == torch.float32
+    kv_fp8 = is_fp8(k_cache.dtype)
+    if not kv_fp8:
+        k_scale = v_scale = 1.0
     on_gpu = q.device.type == "cuda"
     native = on_gpu and not fp32 and (opts.dot_operands or "native") == "native"
     t = _tiling(opts, group, head_dim, max_query_len, on_gpu, fp32, native)
@@ -434,7 +456,7 @@ def paged_attention(
         part_acc = part_ml = out  # unused by the kernel
     _paged_attn_kernel[(num_qtiles, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_qtiles, out, part_acc, part_ml,
-        num_seqs, scale * _LOG2E,
+        num_seqs, scale * k_scale * _LOG2E, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -443,7 +465,7 @@ def paged_attention(
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, PAGE_SIZE=page_size, NUM_SPLITS=splits,
         # fp16/bf16 values are exact in tf32; an fp32 q or cache needs full-precision products.
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        NATIVE_DOT=native,
+        NATIVE_DOT=native, KV_FP8=kv_fp8,
         num_warps=t.num_warps,
     )  # fmt: skip
     if splits > 1:

@@ -14,6 +14,10 @@ Both torch kernels exist on CPU for float32/float64 only; other dtypes (and cach
 head vectors are not packed rows) take the gather path: only the blocks in use, copied once,
 upcast to fp32, through SDPA on strided views. Prefill chunks go one sequence at a time through
 SDPA (is_causal when the chunk is the whole sequence, an offset causal mask after a prefix).
+
+An fp8 (e4m3) cache takes the gather path too (its rows are upcast as they are copied); its
+k_scale folds into the softmax scale and v_scale multiplies the output, so caches of any other
+dtype pay two float comparisons for it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def paged_attention_cpu(
     seq_lens_host: list[int] | None = None,
     query_start_loc_host: list[int] | None = None,
     memo: dict[str, Any] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention_ref` for CPU tensors.
 
@@ -62,7 +68,15 @@ def paged_attention_cpu(
         the tensors back.
     memo: the step's scratch (ForwardBatch.step_cache): what depends on the batch alone (the
         decode buckets, the sparse pattern's indices, the padding mask) is built by the first
-        layer and reused by the others, which then run four kernels each."""
+        layer and reused by the others, which then run four kernels each.
+    k_scale, v_scale: an fp8 cache's scales (kernels/fp8.py)."""
+    if k_scale != 1.0 or v_scale != 1.0:
+        out = paged_attention_cpu(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale * k_scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, seq_lens_host=seq_lens_host,
+            query_start_loc_host=query_start_loc_host, memo=memo,
+        )  # fmt: skip
+        return out.mul_(v_scale)
     if q.device.type != "cpu":  # the torch backend on an accelerator: the ref's batched SDPA
         return paged_attention_ref(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -264,7 +278,7 @@ def _prefill(
     k = k_cache.index_select(0, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)  # [kvh, n, d]
     v = v_cache.index_select(0, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)
     qt = q.transpose(0, 1)  # [h, qlen, d]
-    if q.dtype not in _SPARSE_DTYPES:  # the ref's precision: fp32 products and softmax
+    if q.dtype not in _SPARSE_DTYPES or k.dtype != q.dtype:  # the ref's: fp32 products, softmax
         qt, k, v = qt.float(), k.float(), v.float()
     # A batch of one: SDPA runs its fused CPU (flash) kernel only on 4-d inputs; 3-d ones take the
     # unfused math path, 3-15x slower at this model's prefill shapes (fp32, 64-512 tokens).
