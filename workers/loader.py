@@ -144,7 +144,9 @@ def load_weights(model: nn.Module, weights: WeightIter) -> None:
         loader(param, tensor, shard)
         loaded.add(name)
     tied: set[str] = getattr(model, "tied_parameter_names", set())
-    missing = set(params) - loaded - tied
+    # a quant method may register tensors some checkpoints leave out (GPTQ's g_idx without act-order)
+    optional = {n for n, p in params.items() if getattr(p, "optional_in_checkpoint", False)}
+    missing = set(params) - loaded - tied - optional
     if missing:
         raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
     finish_loading(model)

@@ -105,11 +105,13 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[torch.nn.Module, ModelConfig]:
     mc = read_config(path)
-    held = quant_select.resolve(quantization, is_gguf(path) and load_format != "dummy")
+    # dummy weights are random floats whatever the checkpoint declares
+    declared = None if load_format == "dummy" else quant_select.checkpoint_quant_config(path)
+    held = quant_select.resolve(quantization, is_gguf(path) and load_format != "dummy", declared)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), linear_methods(quant_select.factory(held)):
+        with torch.device(device), linear_methods(quant_select.factory(held, declared)):
             model = model_class(mc)(mc)
     finally:
         torch.set_default_dtype(prev)
