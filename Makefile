@@ -7,7 +7,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 
 .PHONY: setup serve test typecheck lint bench clean
 
-setup: $(VENV)/.pagebus-setup
+setup: $(VENV)/.pagebus-setup $(VENV)/.pagebus-kernels
 
 $(VENV)/.pagebus-setup: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,13 @@ endif
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	  && apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd >/dev/null; } \
 	  || echo "systemd-analyze not installed: the unit verify tests will skip"
+	touch $@
+
+# The quantized-weight CPU kernels (C++), built into torch's extension cache where the engine
+# finds them; rebuilt when their source changes. Without g++/ninja the engine warns and runs
+# quantized matmuls in torch (workers/layers/quant/cpu_kernels.py).
+$(VENV)/.pagebus-kernels: workers/layers/quant/cpu_kernels.py $(VENV)/.pagebus-setup
+	$(PY) -m pagebus.workers.layers.quant.cpu_kernels --build || echo "quantized-weight CPU kernels not built: see above"
 	touch $@
 
 serve: setup

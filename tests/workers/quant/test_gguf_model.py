@@ -3,11 +3,14 @@ dequantized at load: greedy tokens on the oracle prompts, and the weights' resid
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
 from pagebus.frontends.tokenizer import Tokenizer
-from pagebus.workers.layers.quant import select
+from pagebus.workers.layers.quant import cpu_kernels, select
+from pagebus.workers.layers.quant.gguf import GGUFLinearMethod
 from pagebus.workers.loader import resident_weight_bytes
 from pagebus.workers.runner import ModelRunner
 
@@ -27,12 +30,33 @@ def runners(default_model: str) -> dict[str, ModelRunner]:
     return {q: _runner(default_model, q) for q in ("gguf", "none")}
 
 
+def _no_build() -> NoReturn:
+    raise cpu_kernels.KernelBuildError("building the quantized-weight CPU kernels failed (test)")
+
+
 def test_greedy_tokens_match_dequantized(runners: dict[str, ModelRunner], default_model: str) -> None:
     tok = Tokenizer.from_model(default_model)
     prompts = {f"p{i}": (tok.encode(p), STEPS) for i, p in enumerate(PROMPTS[:4])}  # the time budget
     packed, _ = drive_greedy(runners["gguf"], prompts)
     dense, _ = drive_greedy(runners["none"], prompts)
     assert packed == dense
+
+
+def test_without_kernels_tokens_still_match(runners: dict[str, ModelRunner], default_model: str) -> None:
+    """A machine that cannot build the C++ kernels serves --quantization gguf dequantized at load."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "_ops", _no_build)
+        cpu_kernels.available.cache_clear()
+        try:
+            fallback = _runner(default_model, "gguf")
+        finally:
+            cpu_kernels.available.cache_clear()
+    methods = [m.quant_method for m in fallback.model.modules() if hasattr(m, "quant_method")]
+    parts = [p for q in methods if isinstance(q, GGUFLinearMethod) for p in q.parts]
+    assert parts and all(p.kind == "dense" for p in parts)
+    tok = Tokenizer.from_model(default_model)
+    prompts = {f"p{i}": (tok.encode(p), STEPS) for i, p in enumerate(PROMPTS[:2])}
+    assert drive_greedy(fallback, prompts)[0] == drive_greedy(runners["none"], prompts)[0]
 
 
 def test_q4_1_weights_take_at_most_half_their_bf16_bytes(runners: dict[str, ModelRunner]) -> None:

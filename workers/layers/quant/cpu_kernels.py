@@ -13,15 +13,26 @@ Layouts (GGUF's own block contents, split into arrays; `G = K / 32` groups per r
 - q4: qs uint8 [N, G, 16], d and m float32 [N, G]: in group g, byte j holds column 32g+j in
   its low nibble and 32g+16+j in its high one; w = d * q + m (Q4_0: m = -8d; Q4_1: as stored).
 - q8: qs int8 [N, K], d float32 [N, K / gs]: w = d * q (Q8_0: gs = 32; int8 per-channel: gs = K).
+
+`make setup` builds them (`python -m pagebus.workers.layers.quant.cpu_kernels --build`) into
+torch's extension cache, where the engine finds them; otherwise the first use builds them. When
+they cannot be built (no g++ or ninja) a warning says so once and the matmuls run in torch
+(dequantize, then F.linear): the same values, several times slower.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import logging
 import os
+import sys
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -207,8 +218,11 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
 """
 
 
-@functools.cache
-def _ops() -> Any:
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _build(build_directory: str | None = None) -> Any:
     from torch.utils.cpp_extension import load_inline
 
     os.environ.setdefault("MAX_JOBS", "2")
@@ -218,18 +232,65 @@ def _ops() -> Any:
             cpp_sources=_SOURCE,
             functions=["q4_mm", "q8_mm"],
             extra_cflags=["-O3", "-march=native"],
+            build_directory=build_directory,
             verbose=False,
         )
     except Exception as e:
-        raise RuntimeError(
+        raise KernelBuildError(
             f"building the quantized-weight CPU kernels failed ({type(e).__name__}: {e}); they need a C++ "
-            "compiler (g++) and ninja. Serve with --quantization none to dequantize the weights instead"
+            "compiler (g++) and ninja (then run `make setup` again)"
         ) from e
 
 
+@functools.cache
+def _ops() -> Any:
+    return _build()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the C++ kernels load (building them if needed); warns once when they cannot."""
+    try:
+        _ops()
+    except KernelBuildError as e:
+        log.warning("%s. Quantized matmuls run in torch instead (same values, several times slower)", e)
+        return False
+    return True
+
+
+def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The q4 layout's weights as float32 [N, K]."""
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [N, G, 32]: low nibbles first
+    return (q * d[..., None] + m[..., None]).view(qs.shape[0], -1)
+
+
+def dequantize_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The q8 layout's weights as float32 [N, K] (d: one scale per K / d.shape[1] columns)."""
+    return (qs.float().view(qs.shape[0], d.shape[1], -1) * d[..., None]).view(qs.shape[0], -1)
+
+
 def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    if not available():
+        return F.linear(x, dequantize_q4(qs, d, m))
     return _ops().q4_mm(x, qs, d, m)
 
 
 def q8_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    if not available():
+        return F.linear(x, dequantize_q8(qs, d))
     return _ops().q8_mm(x, qs, d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Build the quantized-weight CPU kernels into torch's cache.")
+    ap.add_argument("--build", action="store_true", required=True)
+    ap.parse_args()
+    try:
+        ops = _ops()
+    except KernelBuildError as e:
+        sys.exit(f"{e}. The engine will run quantized matmuls in torch instead")
+    print(f"quantized-weight CPU kernels: {ops.__file__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -98,11 +98,8 @@ def _dense(p: _Part) -> torch.Tensor:
     if p.kind == "dense":
         return p.tensors[0]
     if p.kind == "q8":
-        qs, d = p.tensors  # d: one scale per group of K / d.shape[1] columns (Q8_0: 32; int8: K)
-        return (qs.float().view(qs.shape[0], d.shape[1], -1) * d[..., None]).view(qs.shape[0], -1)
-    qs, d, m = p.tensors
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [rows, G, 32]: low nibbles first
-    return (q * d[..., None] + m[..., None]).view(qs.shape[0], -1)
+        return cpu_kernels.dequantize_q8(*p.tensors)
+    return cpu_kernels.dequantize_q4(*p.tensors)
 
 
 def _rows(p: _Part, ids: torch.Tensor) -> torch.Tensor:
@@ -163,6 +160,9 @@ class GGUFLinearMethod(LinearMethod):
                 )
             else:
                 parts.append(p)
+        if layer.weight.device.type == "cpu" and not cpu_kernels.available():
+            # no C++ kernels (cpu_kernels warned why): float32 F.linear beats dequantizing per call
+            parts = [_Part("dense", [torch.cat([_dense(p) for p in parts])])]
         self.shards, self.parts = {}, parts
         # Held by the layer too, so memory counts see them: the first part's quants are `weight`
         # itself (the Parameter a tied embedding shares), the rest buffers.
