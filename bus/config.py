@@ -17,6 +17,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 LoadFormat = Literal["auto", "dummy"]
+# How the workers start (vLLM's name): mp spawns them as processes of this machine (and of the
+# --node-rank machines); ray places them as actors on an existing Ray cluster (bus/ray_executor.py).
+ExecutorBackend = Literal["mp", "ray"]
 # gguf: a GGUF file's blocks stay packed (Q4_0/Q4_1/Q8_0); int8: weight-only, per channel, made
 # at load from any float checkpoint; gptq/awq: 4-bit (GPTQ also 8-bit) safetensors checkpoints,
 # detected from config.json's quantization_config when not given; none: dequantized at load
@@ -71,6 +74,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    distributed_executor_backend: ExecutorBackend = "mp"
+    # The Ray cluster to join with the ray backend (vLLM reads RAY_ADDRESS; so does Ray when this
+    # is None); neither set: the cluster `ray start --head` left running on this machine.
+    ray_address: str | None = None
     load_format: LoadFormat = "auto"  # dummy: config.json only, small random weights (benchmarks)
     # Weight format (vLLM's name); None: as stored, a GGUF file's blocks dequantized at load.
     quantization: Quantization | None = None
@@ -111,6 +118,11 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(
         world % cfg.nnodes == 0,
         f"tensor_parallel_size x pipeline_parallel_size ({world}) must be a multiple of nnodes ({cfg.nnodes})",
+    )
+    need(
+        cfg.distributed_executor_backend == "mp" or cfg.nnodes == 1,
+        "distributed_executor_backend ray places every worker on the Ray cluster's nodes itself: "
+        "start only the head, without --nnodes/--node-rank",
     )
     need(1 <= cfg.master_port <= 65531, "master_port must be in 1..65531 (the next 4 ports are used too)")
     sc = cfg.speculative_config

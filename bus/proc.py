@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.context import SpawnProcess
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -50,6 +50,35 @@ class StartupError(RuntimeError):
         self.role, self.rank = role, rank
 
 
+class Stoppable(Protocol):
+    """What `shutdown` needs of a child."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Child(Stoppable, Protocol):
+    """A started child as the launcher and the scheduler watch it: a spawned process (BusProcess) or
+    a Ray actor (bus/ray_executor.py). `sentinel` is a file descriptor that becomes readable once
+    the child has exited."""
+
+    role: str
+    rank: int
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    @property
+    def tag(self) -> str: ...
+    def describe_death(self) -> str: ...
+
+
 class BusProcess(SpawnProcess):
     """A spawned child that knows its role and rank, for error messages and titles."""
 
@@ -60,6 +89,9 @@ class BusProcess(SpawnProcess):
     @property
     def tag(self) -> str:
         return f"{self.role}-{self.rank}"
+
+    def describe_death(self) -> str:
+        return describe_death(self.role, self.rank, self.exitcode)
 
 
 def spawn(
@@ -175,7 +207,7 @@ def describe_death(role: str, rank: int, code: int | None) -> str:
 
 def wait_ready(
     handshake_socket: zmq.Socket[Any],
-    procs: Sequence[BusProcess],
+    procs: Sequence[Child],
     expected: Iterable[tuple[str, int]],
     deadline_s: float,
 ) -> dict[tuple[str, int], Ready]:
@@ -270,7 +302,7 @@ def _on_handshake(
     logger.info("%s-%d ready %s", msg.role, msg.rank, msg.model or "")
 
 
-def _first_dead(procs: Sequence[BusProcess]) -> BusProcess | None:
+def _first_dead(procs: Sequence[Child]) -> Child | None:
     for p in procs:
         if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
             p.join(1.0)  # the sentinel closes a moment before the child can be reaped
@@ -325,7 +357,7 @@ class ProcessMonitor:
 
 # ----------------------------------------------------------------------------- shutdown
 def shutdown(
-    procs: Sequence[multiprocessing.process.BaseProcess], timeout: float = 10.0, kill_grace_s: float = 2.0
+    procs: Sequence[Stoppable], timeout: float = 10.0, kill_grace_s: float = 2.0
 ) -> dict[str, int | None]:
     """Join every child within `timeout`, then terminate() stragglers, then kill(); exit codes by name.
 

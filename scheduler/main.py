@@ -15,8 +15,8 @@ import multiprocessing.connection
 import os
 import socket
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -42,10 +42,13 @@ from pagebus.bus.messages import (
     WorkerFailed,
 )
 from pagebus.bus.nodes import liveness_address, local_ranks, node_endpoints, world_size
-from pagebus.bus.proc import BusProcess, StartupError, describe_death, shutdown, spawn, wait_ready
+from pagebus.bus.proc import Child, StartupError, shutdown, spawn, wait_ready
 from pagebus.bus.shm import ShmRingWriter
 from pagebus.bus.sockets import Channel, make_socket
 from pagebus.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from pagebus.bus.ray_executor import RayWorkers
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +74,26 @@ def scheduler_main(
     hs = Channel(make_socket(ctx, zmq.PUSH, addrs["handshake"], bind=False, linger_ms=LINGER_MS))
     hs.send(Hello(version=PROTOCOL_VERSION, role="scheduler", rank=0, pid=os.getpid()))
     world, local = world_size(cfg), local_ranks(cfg)  # this node runs ranks 0 .. len(local) - 1
-    ring = ShmRingWriter(len(local), addrs["ring"], ctx=ctx)
+    ray_workers = _place_on_ray(cfg, hs, ctx) if cfg.distributed_executor_backend == "ray" else None
+    ring = None if ray_workers else ShmRingWriter(len(local), addrs["ring"], ctx=ctx)
     results = Channel.open(ctx, zmq.PULL, addrs["worker_out"], bind=True, recv_type=FromWorker)
     whs = make_socket(ctx, zmq.PULL, addrs["worker_handshake"], bind=True, linger_ms=0)
-    ring_handle = msgspec.msgpack.encode(ring.handle)
+    ring_handle = msgspec.msgpack.encode(ring.handle) if ring else b""
     pub: zmq.Socket[Any] | None = None
     liveness: socket.socket | None = None
-    if cfg.nnodes > 1:  # the other nodes' workers reach the same sockets over tcp:// (bus/nodes.py)
+    workers: Sequence[Child]
+    if ray_workers is not None:  # every actor hears the steps over tcp://, like a worker node's
+        host = f"tcp://{ray_workers.bus_host}:*"
+        pub = make_socket(ctx, zmq.PUB, host, bind=True, hwm=0, linger_ms=LINGER_MS)
+        results.sock.bind(host)
+        whs.bind(host)
+        steps_ep, res_ep, hs_ep = (_bound(s) for s in (pub, results.sock, whs))
+        actor_cfg = msgspec.msgpack.encode(ray_workers.actor_config(cfg))
+        dist = (ray_workers.dist_addr, ray_workers.dist_port)
+        workers = ray_workers.start(
+            worker_target, lambda r: (actor_cfg, model_path, r, b"", hs_ep, res_ep, *dist, steps_ep, 0)
+        )
+    elif cfg.nnodes > 1:  # the other nodes' workers reach the same sockets over tcp:// (bus/nodes.py)
         ep = node_endpoints(cfg)
         results.sock.bind(ep["results"])
         whs.bind(ep["handshake"])
@@ -87,17 +103,18 @@ def scheduler_main(
     else:
         dist_addr, dist_port = DIST_ADDR, _free_port() if world > 1 else 0  # the ranks' rendezvous
     steps = _Steps(ring, pub)
-    workers = [
-        spawn(
-            worker_target,
-            f"worker-{r}",
-            "worker",
-            r,
-            (cfg_bytes, model_path, r, ring_handle, addrs["worker_handshake"], addrs["worker_out"])
-            + ((dist_addr, dist_port) if world > 1 else ()),
-        )
-        for r in local
-    ]
+    if ray_workers is None:
+        workers = [
+            spawn(
+                worker_target,
+                f"worker-{r}",
+                "worker",
+                r,
+                (cfg_bytes, model_path, r, ring_handle, addrs["worker_handshake"], addrs["worker_out"])
+                + ((dist_addr, dist_port) if world > 1 else ()),
+            )
+            for r in local
+        ]
     outs = {
         f"tok-{i}".encode(): Channel(make_socket(ctx, zmq.PUSH, addrs[f"tok_step_{i}"], bind=False))
         for i in range(n_pools)
@@ -134,6 +151,8 @@ def scheduler_main(
             except TimeoutError:
                 log.warning("could not send Shutdown to the workers")
         shutdown(workers, timeout=10.0 if code == 0 else 0.5)
+        if ray_workers is not None:
+            ray_workers.close()
         steps.close()
         if liveness is not None:
             liveness.close()  # resets the worker nodes' connections: they stop their workers
@@ -143,6 +162,25 @@ def scheduler_main(
         ctx.term()
     if code:
         raise SystemExit(code)
+
+
+def _place_on_ray(cfg: EngineConfig, hs: Channel, ctx: zmq.Context[Any]) -> RayWorkers:
+    """Join the Ray cluster and place one actor per rank; a failure (no Ray, no cluster, too few
+    resources) reaches the launcher as StartupFailed with what to do."""
+    from pagebus.bus.ray_executor import RayWorkers  # Ray is imported only when asked for
+
+    try:
+        return RayWorkers(cfg)
+    except Exception as e:
+        hs.send(StartupFailed(role="scheduler", rank=0, reason=str(e)))
+        hs.close()
+        ctx.term()
+        raise
+
+
+def _bound(sock: zmq.Socket[Any]) -> str:
+    """The endpoint a socket bound on port * got."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def _free_port() -> int:
@@ -168,16 +206,18 @@ class _Steps:
     """The step broadcast: the shm ring to this node's workers and, with several nodes, the same
     bytes over PUB to the others' (which subscribe before they send Ready)."""
 
-    def __init__(self, ring: ShmRingWriter, pub: zmq.Socket[Any] | None) -> None:
+    def __init__(self, ring: ShmRingWriter | None, pub: zmq.Socket[Any] | None) -> None:
         self.ring, self.pub = ring, pub
 
     def write(self, payload: bytes, timeout_s: float) -> None:
-        self.ring.write(payload, timeout_s=timeout_s)
+        if self.ring is not None:
+            self.ring.write(payload, timeout_s=timeout_s)
         if self.pub is not None:
             self.pub.send(payload)
 
     def close(self) -> None:
-        self.ring.close()
+        if self.ring is not None:
+            self.ring.close()
         if self.pub is not None:
             self.pub.close()  # with linger: a last Shutdown still leaves
 
@@ -190,7 +230,7 @@ class _Loop:
         results: Channel,
         inbound: zmq.Socket[Any],
         outs: dict[bytes, Channel],
-        workers: list[BusProcess],
+        workers: Sequence[Child],
     ) -> None:
         self.sched, self.ring, self.results, self.inbound = sched, ring, results, inbound
         self.outs, self.workers = outs, workers
@@ -222,7 +262,7 @@ class _Loop:
         for s, p in self.sentinels.items():
             if s in events:
                 p.join(1.0)
-                raise EngineFatal(describe_death("worker", p.rank, p.exitcode))
+                raise EngineFatal(p.describe_death())
         if self.results.sock in events:
             msg = self.results.recv_now()
             if isinstance(msg, WorkerFailed):
@@ -236,7 +276,7 @@ class _Loop:
         for s in dead:
             p = self.sentinels[s]  # type: ignore[index]  # wait() typed wide; here only sentinels (ints)
             p.join(1.0)
-            return EngineFatal(describe_death("worker", p.rank, p.exitcode))
+            return EngineFatal(p.describe_death())
         return EngineFatal(f"worker {msg.rank} failed: {msg.reason}")
 
     def _drain_inbound(self) -> None:

@@ -57,9 +57,12 @@ def worker_main(
     dist_addr: str = "127.0.0.1",
     dist_port: int = 0,
     steps_ep: str = "",
+    device_index: int | None = None,
 ) -> None:
     """Entry point (module level so `bus.proc.spawn` can import it). A worker on another node than
-    the scheduler's gets no ring but `steps_ep`, the head's step broadcast (bus/nodes.py)."""
+    the scheduler's gets no ring but `steps_ep`, the head's step broadcast (bus/nodes.py), and so
+    does a Ray actor, which also gets `device_index` 0 (Ray shows each actor only its own GPU);
+    None: the rank's index among its node's ranks."""
     cfg = msgspec.msgpack.decode(cfg_bytes, type=EngineConfig)
     ctx: zmq.Context[Any] = zmq.Context()
     hs = Channel(make_socket(ctx, zmq.PUSH, handshake_ep, bind=False, linger_ms=LINGER_MS))
@@ -75,7 +78,7 @@ def worker_main(
             else ShmRingReader(msgspec.msgpack.decode(ring, type=RingHandle), rank - local_ranks(cfg).start)
         )
         hs.send(Hello(version=PROTOCOL_VERSION, role=ROLE, rank=rank, pid=os.getpid()))
-        runner = _load(cfg, model_path, rank, hs, dist_addr, dist_port)
+        runner = _load(cfg, model_path, rank, hs, dist_addr, dist_port, device_index)
         _serve(runner, rank, reader, out)
     except BaseException as e:  # report every failure, then exit non-zero
         log.error("worker %d failed:\n%s", rank, traceback.format_exc())
@@ -100,7 +103,13 @@ def worker_main(
 
 
 def _load(
-    cfg: EngineConfig, model_path: str, rank: int, hs: Channel, dist_addr: str, dist_port: int
+    cfg: EngineConfig,
+    model_path: str,
+    rank: int,
+    hs: Channel,
+    dist_addr: str,
+    dist_port: int,
+    device_index: int | None,
 ) -> ModelRunner:
     """Join the process group, load this rank's part of the model and size its KV cache, then
     send Ready with what that found."""
@@ -115,7 +124,7 @@ def _load(
     imports = time.monotonic() - t0
     layout = Layout(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
     node_ranks = local_ranks(cfg)
-    local = rank - node_ranks.start  # this node's GPU index
+    local = rank - node_ranks.start if device_index is None else device_index  # this node's GPU index
     device = pick_device(cfg, local)
     if layout.world_size > 1 and cfg.num_threads is None and device.type == "cpu":
         # Ranks on one CPU share its cores; more threads than cores makes every step wait for
