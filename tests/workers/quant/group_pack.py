@@ -89,12 +89,12 @@ _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 def tiny_llama(path: str) -> dict[str, torch.Tensor]:
     """A random 2-layer Llama's float weights (wide, so greedy tokens are far from ties) and its
-    config.json in path."""
+    config.json in path. Every input width splits in two whole groups of 32 (tensor parallelism)."""
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
     cfg = tf.LlamaConfig(
-        vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)

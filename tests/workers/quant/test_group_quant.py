@@ -5,6 +5,8 @@ GPTQ (act-order) and as AWQ gives the greedy tokens of its dequantized float wei
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
@@ -201,16 +203,31 @@ def float_weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, t
     return tiny_llama(path), path
 
 
-@pytest.mark.parametrize(("method", "act_order"), [("gptq", True), ("awq", False)])
-def test_tiny_llama_tokens_equal_dequantized(float_weights, method: str, act_order: bool, tmp_path) -> None:
+def _checkpoints(float_weights, method: str, act_order: bool, tmp_path) -> tuple[str, str]:
     sd, base = float_weights
     quant_dir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
-    import shutil
-
     shutil.copytree(base, quant_dir)
     write_quantized(sd, quant_dir, ref_dir, method, group=32, act_order=act_order)
+    return quant_dir, ref_dir
+
+
+@pytest.mark.parametrize(("method", "act_order"), [("gptq", True), ("awq", False)])
+def test_tiny_llama_tokens_equal_dequantized(float_weights, method: str, act_order: bool, tmp_path) -> None:
+    quant_dir, ref_dir = _checkpoints(float_weights, method, act_order, tmp_path)
     quant = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64), quant_dir)  # detected
     ref = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64), ref_dir)
     held = quant.model.model.layers[0].self_attn.qkv_proj.quant_method
     assert isinstance(held, GroupQuantLinearMethod) and held.cfg.method == method
     assert drive_greedy(quant, PROMPTS)[0] == drive_greedy(ref, PROMPTS)[0]
+
+
+def test_tensor_parallel_2_equals_one_rank(float_weights, tmp_path) -> None:
+    """TP=2 over gloo: each rank keeps its heads' QKV rows, its gate/up rows and its half of the
+    O and down inputs (whole groups), unpacked from the same packed tensors."""
+    from tests.distributed.ranks import run_ranks
+
+    quant_dir, _ = _checkpoints(float_weights, "gptq", False, tmp_path)
+    single = drive_greedy(ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64), quant_dir), PROMPTS)[0]
+    for r in run_ranks(quant_dir, 2, 1, PROMPTS):
+        assert r.error is None, r.error
+        assert r.tokens == single
