@@ -1,6 +1,6 @@
 """Quantized weights beside llama.cpp on the same GGUF files, in one run.
 
-    python -m bench.quant [--formats f32 q8_0 q4_0 q4_1] [--num-requests 32] [--output-len 64]
+    python -m bench.quant [--formats f32 q8_0 q4_0 q4_1 q4_k_m] [--num-requests 32] [--output-len 64]
                           [--single-output-len 128] [--skip-llamacpp]
 
 Per format: pagebus's in-process LLM (fp32 activations; f32 is the file dequantized, the others
@@ -8,8 +8,10 @@ keep their blocks with --quantization gguf) and llama.cpp (bench/peer_runners/ll
 through the same timing protocol as bench/peers.py: single-stream and N-concurrent greedy output
 tok/s. Also per format: the weight bytes pagebus holds, and greedy agreement with the f32 model
 on the oracle prompts (tests/workers/oracle.py) over --quality-tokens tokens.
-The files: bench/setup_peers.sh's rewrites of the default model, plus Q4_0 made with llama.cpp's
-quantizer (`--make-q4-0`, from the F32 file; never downloaded). Prints one JSON object.
+The files: bench/setup_peers.sh's rewrites of the default model, plus Q4_0 and Q4_K_M made with
+llama.cpp's quantizer (`--make-q4-0`, from the F32 file; never downloaded). For this model's
+576-wide rows llama.cpp's Q4_K_M falls back to Q5_0/Q8_0 and keeps Q4_K/Q6_K in ffn_down.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from bench.peers import run_peer
 from bench.serve_peers import DEFAULT_PEER_DIR, load_manifest
 from bench.throughput import make_prompts
 
-_Q4_0_SCRIPT = """
+_QUANTIZE_SCRIPT = """
 import ctypes, os, sys, llama_cpp
-src, dst = sys.argv[1], sys.argv[2]
+src, dst, ftype = sys.argv[1], sys.argv[2], sys.argv[3]
 p = llama_cpp.llama_model_quantize_default_params()
-p.ftype, p.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, 2
+p.ftype, p.nthread = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype), 2
 assert llama_cpp.llama_model_quantize(src.encode(), (dst + ".tmp").encode(), ctypes.byref(p)) == 0
 os.replace(dst + ".tmp", dst)
 """
@@ -44,13 +46,15 @@ def model_files(manifest: dict[str, Any] | None, make_q4_0: bool) -> dict[str, s
     files = dict(manifest["models"]) if manifest else {}
     files["q4_1"] = default_model_path()
     f32 = files.get("f32")
-    if f32 and "q4_0" not in files:
-        q4_0 = str(Path(f32).with_name(Path(f32).name.replace(".f32.", ".q4_0.")))
-        if not os.path.isfile(q4_0) and make_q4_0 and manifest:
-            log.info("making %s with llama.cpp's quantizer", q4_0)
-            subprocess.run([manifest["python"], "-c", _Q4_0_SCRIPT, f32, q4_0], check=True)
-        if os.path.isfile(q4_0):
-            files["q4_0"] = q4_0
+    for fmt in ("q4_0", "q4_k_m"):
+        if not f32 or fmt in files:
+            continue
+        out = str(Path(f32).with_name(Path(f32).name.replace(".f32.", f".{fmt}.")))
+        if not os.path.isfile(out) and make_q4_0 and manifest:
+            log.info("making %s with llama.cpp's quantizer", out)
+            subprocess.run([manifest["python"], "-c", _QUANTIZE_SCRIPT, f32, out, fmt.upper()], check=True)
+        if os.path.isfile(out):
+            files[fmt] = out
     return files
 
 
@@ -92,6 +96,21 @@ def run_pagebus(path: str, quantization: str, job: dict[str, Any], quality_token
             llm.shutdown()
 
 
+def dequantized_tokens(path: str, quality_tokens: int) -> list[list[int]]:
+    """Greedy tokens on the oracle prompts from the same file dequantized at load (the reference
+    that isolates the packed kernels from the quantization itself)."""
+    from pagebus import LLM, SamplingParams
+    from tests.workers.oracle import PROMPTS
+
+    llm = LLM(path, dtype="float32", seed=0, enable_prefix_caching=False, quantization="none")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=quality_tokens, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        if hasattr(llm, "shutdown"):
+            llm.shutdown()
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     """Greedy tokens equal position by position up to each prompt's first divergence."""
     same = total = 0
@@ -105,7 +124,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 def main() -> None:
     setup_logging()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--formats", nargs="+", default=["f32", "q8_0", "q4_0", "q4_1"])
+    ap.add_argument("--formats", nargs="+", default=["f32", "q8_0", "q4_0", "q4_1", "q4_k_m"])
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
@@ -114,7 +133,7 @@ def main() -> None:
     ap.add_argument("--quality-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--make-q4-0", action="store_true", help="write the Q4_0 file if it is missing")
+    ap.add_argument("--make-q4-0", action="store_true", help="write the Q4_0 and Q4_K_M files if missing")
     ap.add_argument("--peer-dir", default=DEFAULT_PEER_DIR)
     ap.add_argument("--peer-timeout", type=float, default=900)
     ap.add_argument("--seed", type=int, default=0)
@@ -142,8 +161,10 @@ def main() -> None:
         tokens = row["pagebus"].pop("oracle_tokens")
         if fmt == "f32":
             reference = tokens
-        elif reference is not None:
-            row["greedy_vs_f32"] = agreement(tokens, reference)
+        else:
+            row["greedy_vs_dequantized"] = agreement(tokens, dequantized_tokens(path, args.quality_tokens))
+            if reference is not None:
+                row["greedy_vs_f32"] = agreement(tokens, reference)
         if manifest and not args.skip_llamacpp:
             log.info("%s: llama.cpp", fmt)
             cfg = {"model": path, "options": {"threads": args.threads, "n_batch": 2048, "n_ubatch": 2048,
