@@ -66,3 +66,17 @@ def fp32_to_e4m3_bits(x):
 def fp8_bytes_view(t: torch.Tensor) -> torch.Tensor:
     """An e4m3 tensor as its bytes (what the Triton writer stores; torch indexes uint8 in place)."""
     return t.view(torch.uint8)
+
+
+def check_kv_cache_support(dtype: torch.dtype, device: torch.device, backend: str) -> None:
+    """Refuse at start-up what would fail at the first step: Triton compiles e4m3 loads and
+    conversions only for compute capability 8.9+ (Ada, Hopper and later)."""
+    if not is_fp8(dtype) or device.type != "cuda" or backend != "triton":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise ValueError(
+            f"--kv-cache-dtype fp8 with the Triton kernels needs a GPU of compute capability 8.9 or "
+            f"newer; {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}. Use --kv-cache-dtype auto, "
+            "or --attention-backend torch (it dequantizes the cache in torch)"
+        )

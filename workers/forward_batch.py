@@ -28,6 +28,8 @@ class ForwardBatch:
     num_prefills: int = 0  # sequences with more
     seq_lens_host: list[int] | None = None  # None under a CUDA graph (values change per replay)
     query_start_loc_host: list[int] | None = None
+    # An fp8 cache's (k_scale, v_scale) per layer (workers/kv_scales.py); None: scale 1.0.
+    kv_scales: list[tuple[float, float]] | None = None
     # The step's scratch for the ops (`memo=`): values derived from the batch alone, built by the
     # first layer and reused by the others. New with every ForwardBatch, so never stale.
     step_cache: dict[str, Any] = field(default_factory=dict)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_NO_SCALES: dict[str, float] = {}
+_SCALE_NAMES = ("k_scale", "v_scale")
+
+
 @dataclass(frozen=True)
 class Ops:
     name: str
@@ -40,11 +44,15 @@ class Ops:
         write precedes its reads). q [T, h, d], k/v [T, kv_h, d] -> [T, h, d]."""
         k_cache, v_cache = fb.kv_caches[layer]
         memo = fb.step_cache
-        self.write_kv_cache(k, v, k_cache, v_cache, fb.slot_mapping, memo=memo)
+        # An fp8 cache's scales travel only when there are any: other caches' calls are unchanged.
+        fp8 = (
+            _NO_SCALES if fb.kv_scales is None else dict(zip(_SCALE_NAMES, fb.kv_scales[layer], strict=True))
+        )
+        self.write_kv_cache(k, v, k_cache, v_cache, fb.slot_mapping, memo=memo, **fp8)
         return self.paged_attention(
             q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, scale,
             max_query_len=fb.max_query_len, max_seq_len=fb.max_seq_len,
-            seq_lens_host=fb.seq_lens_host, query_start_loc_host=fb.query_start_loc_host, memo=memo,
+            seq_lens_host=fb.seq_lens_host, query_start_loc_host=fb.query_start_loc_host, memo=memo, **fp8,
         )  # fmt: skip
 
 

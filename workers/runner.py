@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from pagebus.bus.config import EngineConfig, cuda_graph_batch_sizes
 from pagebus.bus.messages import BatchResult, ExecuteBatch, SamplingParams, TokenLogprobs
+from pagebus.kernels.fp8 import check_kv_cache_support, is_fp8, kv_cache_dtype
 from pagebus.workers.cuda_graphs import DecodeGraphs
 from pagebus.workers.device import (
     GiB,
@@ -38,6 +39,7 @@ from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
 from pagebus.workers.input_batch import InputBuffers, StepTensors
+from pagebus.workers.kv_scales import KVScales, calibrate_kv_scales
 from pagebus.workers.layers.quant import select as quant_select
 from pagebus.workers.layers.quant.base import linear_methods
 from pagebus.workers.loader import (
@@ -167,6 +169,9 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position}"
             )
         self.ops = select_ops(cfg.attention_backend, self.device)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
+        check_kv_cache_support(self.kv_dtype, self.device, self.ops.name)
+        self.kv_scales: KVScales | None = None  # an fp8 cache's, measured once it exists
         self.sampler = Sampler(cfg.seed)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else None
         # Structured outputs: xgrammar loads lazily, on the first constrained request.
@@ -192,19 +197,23 @@ class ModelRunner:
             budget = profiled_kv_budget(cfg, self.device, profile)
         t_profile = time.monotonic()
         kv_mc = local_kv_config(mc, self.parallel)  # this rank's KV heads and layers
-        self.num_blocks = num_kv_blocks(cfg, kv_mc, self.dtype, self.device, budget)
+        # The block count follows the cache's element size: an e4m3 cache fits 2x (4x vs fp32) the blocks.
+        self.num_blocks = num_kv_blocks(cfg, kv_mc, self.kv_dtype, self.device, budget)
         shape = (self.num_blocks, cfg.block_size, kv_mc.num_kv_heads, mc.head_dim)
         held = self.parallel.layout.layers(mc.num_layers)
         self.kv_caches: KVCaches = [
-            (torch.zeros(shape if i in held else 0, dtype=self.dtype, device=self.device),
-             torch.zeros(shape if i in held else 0, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape if i in held else 0, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape if i in held else 0, dtype=self.kv_dtype, device=self.device))
             for i in range(mc.num_layers)
         ]  # fmt: skip
         log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
-            self.num_blocks, cfg.block_size, 2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / GiB,
+            "KV cache: %d blocks of %d tokens, %s (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
+            self.num_blocks, cfg.block_size, self.kv_dtype,
+            2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / GiB,
             (self.num_blocks - 1) * cfg.block_size / self.max_model_len, self.max_model_len,
         )  # fmt: skip
+        if is_fp8(self.kv_dtype):
+            self.kv_scales = calibrate_kv_scales(self, cfg.seed)
         t_kv = time.monotonic()
         sc = cfg.speculative_config
         self.drafter: DraftModel | None = None
@@ -251,7 +260,10 @@ class ModelRunner:
         run against a one-block stand-in KV cache: activations do not depend on its size."""
         mc, cfg, dev = self.model_config, self.cfg, self.device
         one = (1, cfg.block_size, local_kv_config(mc, self.parallel).num_kv_heads, mc.head_dim)
-        k, v = torch.zeros(one, dtype=self.dtype, device=dev), torch.zeros(one, dtype=self.dtype, device=dev)
+        k, v = (
+            torch.zeros(one, dtype=self.kv_dtype, device=dev),
+            torch.zeros(one, dtype=self.kv_dtype, device=dev),
+        )
         dummy_kv = [(k, v)] * mc.num_layers
         tokens = cfg.max_num_batched_tokens
         num_seqs = min(cfg.max_num_seqs, tokens)
@@ -453,6 +465,7 @@ class ModelRunner:
             num_prefills=meta.num_prefills,
             seq_lens_host=meta.seq_lens,
             query_start_loc_host=meta.query_start_loc,
+            kv_scales=self.kv_scales if kv_caches is self.kv_caches else None,
         )
 
     def _run(self, step: _Step) -> torch.Tensor:
