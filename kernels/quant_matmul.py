@@ -5,8 +5,8 @@ Layouts (those of workers/layers/quant/cpu_kernels.py, group scales allowed coar
   32c + 16 + j in its high one; d, m float32 [N, K / gs]: w = d * q + m (GGUF Q4_0/Q4_1 with
   gs 32; GPTQ/AWQ with m = -d * zero and gs their group size, K for one group per row).
 - q8: qs int8 [N, K], d float32 [N, K / gs]: w = d * q (int8 per-channel: gs = K).
-K and gs are multiples of 32: each step of the K loop reads one 32-wide block, inside one group,
-so each program loads one d (and m) per output column per step.
+K is a multiple of 32 and gs a multiple of 32 (each step of the K loop reads one 32-wide block,
+inside one group: one d and m per output column) or a divisor of it (GGUF Q6_K's 16).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ _BLOCK_K = 32
 
 
 def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] from the q4 layout (the reference the kernel is tested against)."""
+    """float32 [N, K] from the q4 layout: the kernels' reference, and the fallback where they
+    cannot run."""
     n = qs.shape[0]
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float().reshape(n, -1)
     gs = q.shape[1] // d.shape[1]
@@ -27,6 +28,7 @@ def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.T
 
 
 def dequantize_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] from the q8 layout."""
     n = qs.shape[0]
     return (qs.float().view(n, d.shape[1], -1) * d.float()[..., None]).view(n, -1)
 
@@ -61,19 +63,21 @@ def _packed_mm_kernel(
         x = tl.load(
             x_ptr + rm.to(tl.int64)[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0
         )
-        g = k0 // GS
-        d = tl.load(d_ptr + rn64 * groups + g, mask=n_ok, other=0.0)
+        if GS >= 32:  # one group in this block: one scale per output column
+            dm_off = (rn64 * groups + k0 // GS)[None, :]
+        else:  # GGUF Q6_K: groups of 16, a scale per (column, k)
+            dm_off = rn64[None, :] * groups + ((k0 + rk) // GS)[:, None]
+        d = tl.load(d_ptr + dm_off, mask=n_ok[None, :], other=0.0)
         if Q4:
             # column k0 + j is byte j % 16 of the block, low nibble for j < 16
             b = tl.load(
                 qs_ptr + rn64[None, :] * (K // 2) + (k0 // 2 + rk % 16)[:, None], mask=n_ok[None, :], other=0
             )
             q = ((b.to(tl.int32) >> ((rk // 16) * 4)[:, None]) & 15).to(tl.float32)
-            m = tl.load(m_ptr + rn64 * groups + g, mask=n_ok, other=0.0)
-            w = q * d[None, :] + m[None, :]  # [32, BLOCK_N]
+            w = q * d + tl.load(m_ptr + dm_off, mask=n_ok[None, :], other=0.0)  # [32, BLOCK_N]
         else:
             q = tl.load(qs_ptr + rn64[None, :] * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0)
-            w = q.to(tl.float32) * d[None, :]
+            w = q.to(tl.float32) * d
         if IEEE:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -90,9 +94,11 @@ def _launch(
     n = qs.shape[0]
     if not (qs.is_contiguous() and d.is_contiguous() and (m is None or m.is_contiguous())):
         raise ValueError("qs, d and m must be contiguous")
-    if k % _BLOCK_K or k % d.shape[1] or (k // d.shape[1]) % _BLOCK_K:
+    gs = k // d.shape[1] if d.shape[1] else 0
+    if k % _BLOCK_K or gs == 0 or gs * d.shape[1] != k or (gs % _BLOCK_K and _BLOCK_K % gs):
         raise ValueError(
-            f"K {k} and its group size must be multiples of {_BLOCK_K} (scales {tuple(d.shape)})"
+            f"K {k} must be a multiple of {_BLOCK_K}, and its group size a multiple or divisor of it "
+            f"(scales {tuple(d.shape)})"
         )
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -103,7 +109,7 @@ def _launch(
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
     _packed_mm_kernel[grid](
         x, qs, d, m if m is not None else d, y, x.shape[0], n, k, x.stride(0), y.stride(0),
-        GS=k // d.shape[1], Q4=m is not None, IEEE=x.dtype == torch.float32,
+        GS=gs, Q4=m is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )  # fmt: skip
     return y

@@ -33,8 +33,9 @@ def test_w4a16(k: int, gs: int, rows: int) -> None:
     torch.testing.assert_close(y.cpu(), _ref(x, dequantize_q4(qs, d, m)), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize(("gs", "dtype"), [(128, torch.float32), (32, torch.float16)])
+@pytest.mark.parametrize(("gs", "dtype"), [(128, torch.float32), (32, torch.float16), (16, torch.float32)])
 def test_w8a16(gs: int, dtype: torch.dtype) -> None:
+    """Per channel, GGUF Q8_0's 32, and Q6_K's 16 (smaller than the kernel's K step)."""
     g = torch.Generator().manual_seed(gs)
     n, k = 24, 128
     qs = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pagebus.kernels.quant_matmul import dequantize_q4, dequantize_q8
 
 log = logging.getLogger(__name__)
 
@@ -256,17 +257,6 @@ def available() -> bool:
         log.warning("%s. Quantized matmuls run in torch instead (same values, several times slower)", e)
         return False
     return True
-
-
-def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The q4 layout's weights as float32 [N, K]."""
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [N, G, 32]: low nibbles first
-    return (q * d[..., None] + m[..., None]).view(qs.shape[0], -1)
-
-
-def dequantize_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The q8 layout's weights as float32 [N, K] (d: one scale per K / d.shape[1] columns)."""
-    return (qs.float().view(qs.shape[0], d.shape[1], -1) * d[..., None]).view(qs.shape[0], -1)
 
 
 def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pagebus.workers.layers.quant import cpu_kernels
+from pagebus.workers.layers.quant import cpu_kernels, packed_mm
 from pagebus.workers.layers.quant.base import LinearMethod
 from pagebus.workers.layers.quant.gguf_blocks import BLOCKS, unpack
 
@@ -94,12 +94,10 @@ def _split(w: GGUFWeight) -> _Part:
 
 
 def _dense(p: _Part) -> torch.Tensor:
-    """The part's weights as float32 [rows, K] (reference and non-CPU path)."""
+    """The part's weights as float32 [rows, K] (reference, tied-embedding rows)."""
     if p.kind == "dense":
         return p.tensors[0]
-    if p.kind == "q8":
-        return cpu_kernels.dequantize_q8(*p.tensors)
-    return cpu_kernels.dequantize_q4(*p.tensors)
+    return packed_mm.dequantize(p.kind, p.tensors)
 
 
 def _rows(p: _Part, ids: torch.Tensor) -> torch.Tensor:
@@ -110,11 +108,7 @@ def _rows(p: _Part, ids: torch.Tensor) -> torch.Tensor:
 def _mm(p: _Part, x: torch.Tensor) -> torch.Tensor:
     if p.kind == "dense":
         return F.linear(x, p.tensors[0])
-    if x.device.type != "cpu":
-        return F.linear(x, _dense(p).to(x.dtype))
-    if p.kind == "q8":
-        return cpu_kernels.q8_mm(x, *p.tensors)
-    return cpu_kernels.q4_mm(x, *p.tensors)
+    return packed_mm.matmul(p.kind, x, p.tensors)
 
 
 def _same_layout(a: _Part, b: _Part) -> bool:

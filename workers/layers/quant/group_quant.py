@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
-from pagebus.workers.layers.quant import cpu_kernels
+from pagebus.workers.layers.quant import packed_mm
 from pagebus.workers.layers.quant.base import LinearMethod, LinearMethodFactory
 
 if TYPE_CHECKING:
@@ -198,28 +197,14 @@ def repack(cfg: GroupQuantConfig, u: Unpacked, device: torch.device, what: str) 
     return Packed("q4", [qs, d.contiguous(), (-d * z).contiguous()], perm)
 
 
-def packed_mm(p: Packed, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T for a packed matrix, on the device x is on."""
-    if p.perm is not None:
-        x = x[:, p.perm]
-    if x.device.type == "cpu":
-        xf = x.float()
-        y = cpu_kernels.q4_mm(xf, *p.tensors) if p.kind == "q4" else cpu_kernels.q8_mm(xf, *p.tensors)
-        return y.to(x.dtype)
-    if x.device.type == "cuda":
-        from pagebus.kernels import quant_matmul
-
-        if p.kind == "q4":
-            return quant_matmul.q4_matmul(x, *p.tensors)
-        return quant_matmul.q8_matmul(x, *p.tensors)
-    return F.linear(x, dense(p).to(x.dtype))
+def _matmul(p: Packed, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T: x's columns in the packed order first (act-order)."""
+    return packed_mm.matmul(p.kind, x[:, p.perm] if p.perm is not None else x, p.tensors)
 
 
 def dense(p: Packed) -> torch.Tensor:
     """The packed matrix as float32 [N, K], columns in the checkpoint's order (reference)."""
-    from pagebus.kernels.quant_matmul import dequantize_q4, dequantize_q8
-
-    w = dequantize_q4(*p.tensors) if p.kind == "q4" else dequantize_q8(*p.tensors)
+    w = packed_mm.dequantize(p.kind, p.tensors)
     if p.perm is None:
         return w
     out = torch.empty_like(w)
@@ -311,7 +296,7 @@ class GroupQuantLinearMethod(LinearMethod):
         if self.packed is None:
             raise RuntimeError(f"{self.cfg.method} layer used before its weights were loaded")
         shape = x.shape
-        y = packed_mm(self.packed, x.reshape(-1, shape[-1]))
+        y = _matmul(self.packed, x.reshape(-1, shape[-1]))
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*shape[:-1], layer.out_features)
