@@ -85,28 +85,78 @@ static inline void q8_half(const int8_t* q, float d, __m512& w) {
 }
 #endif
 
-// y[r, n] for r < M <= kMaxGemvRows, n in [n0, n1): W read once, straight into FMAs.
-static void q4_gemv(const float* xp, int64_t M, int64_t K, const uint8_t* qs, const float* d,
-                    const float* m, float* yp, int64_t N, int64_t n0, int64_t n1) {
+#ifdef __AVX512F__
+// y[r, n] for r < M, n in [n0, n1): W read once, straight into FMAs. M is a template argument
+// so the M accumulators live in registers (a runtime-length array spilled them to the stack).
+template <int M>
+static void q4_rows(const float* xp, int64_t K, const uint8_t* qs, const float* d, const float* m,
+                    float* yp, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = qs + n * G * 16;
     const float* dn = d + n * G;
     const float* mn = m + n * G;
-#ifdef __AVX512F__
-    __m512 acc[kMaxGemvRows];
-    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       __m512 lo, hi;
       q4_group(q + g * 16, dn[g], mn[g], lo, hi);
-      for (int64_t r = 0; r < M; ++r) {
+      for (int r = 0; r < M; ++r) {
         const float* xg = xp + r * K + g * 32;
         acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[r]);
         acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), acc[r]);
       }
     }
-    for (int64_t r = 0; r < M; ++r) yp[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < M; ++r) yp[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+// The group loop outside the 16-wide steps: one scale load per group, no k / gs division.
+template <int M>
+static void q8_rows(const float* xp, int64_t K, int64_t gs, const int8_t* qs, const float* d,
+                    float* yp, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / gs;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = qs + n * K;
+    const float* dn = d + n * G;
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = dn[g];
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+        __m512 w;
+        q8_half(q + k, s, w);
+        for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + r * K + k), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) yp[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+#define PAGEBUS_BY_ROWS(M, F, ...)                 \
+  switch (M) {                                     \
+    case 1: F<1>(__VA_ARGS__); break;              \
+    case 2: F<2>(__VA_ARGS__); break;              \
+    case 3: F<3>(__VA_ARGS__); break;              \
+    case 4: F<4>(__VA_ARGS__); break;              \
+    case 5: F<5>(__VA_ARGS__); break;              \
+    case 6: F<6>(__VA_ARGS__); break;              \
+    case 7: F<7>(__VA_ARGS__); break;              \
+    default: F<8>(__VA_ARGS__); break;             \
+  }
+#endif
+
+// y[r, n] for r < M <= kMaxGemvRows, n in [n0, n1).
+static void q4_gemv(const float* xp, int64_t M, int64_t K, const uint8_t* qs, const float* d,
+                    const float* m, float* yp, int64_t N, int64_t n0, int64_t n1) {
+#ifdef __AVX512F__
+  PAGEBUS_BY_ROWS(M, q4_rows, xp, K, qs, d, m, yp, N, n0, n1)
 #else
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = qs + n * G * 16;
+    const float* dn = d + n * G;
+    const float* mn = m + n * G;
     for (int64_t r = 0; r < M; ++r) {
       float s = 0;
       for (int64_t g = 0; g < G; ++g)
@@ -117,33 +167,26 @@ static void q4_gemv(const float* xp, int64_t M, int64_t K, const uint8_t* qs, co
         }
       yp[r * N + n] = s;
     }
-#endif
   }
+#endif
 }
 
 static void q8_gemv(const float* xp, int64_t M, int64_t K, int64_t gs, const int8_t* qs, const float* d,
                     float* yp, int64_t N, int64_t n0, int64_t n1) {
+#ifdef __AVX512F__
+  PAGEBUS_BY_ROWS(M, q8_rows, xp, K, gs, qs, d, yp, N, n0, n1)
+#else
   const int64_t G = K / gs;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* q = qs + n * K;
     const float* dn = d + n * G;
-#ifdef __AVX512F__
-    __m512 acc[kMaxGemvRows];
-    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      __m512 w;
-      q8_half(q + k, dn[k / gs], w);
-      for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + r * K + k), acc[r]);
-    }
-    for (int64_t r = 0; r < M; ++r) yp[r * N + n] = _mm512_reduce_add_ps(acc[r]);
-#else
     for (int64_t r = 0; r < M; ++r) {
       float s = 0;
       for (int64_t k = 0; k < K; ++k) s += xp[r * K + k] * dn[k / gs] * (float)q[k];
       yp[r * N + n] = s;
     }
-#endif
   }
+#endif
 }
 
 #ifdef __AVX512F__
@@ -232,7 +275,10 @@ def _build(build_directory: str | None = None) -> Any:
             name="pagebus_quant_cpu",
             cpp_sources=_SOURCE,
             functions=["q4_mm", "q8_mm"],
-            extra_cflags=["-O3", "-march=native"],
+            # -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers; without the flag it
+            # ran every call on one thread
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             build_directory=build_directory,
             verbose=False,
         )
