@@ -24,11 +24,13 @@ endif
 	  || echo "systemd-analyze not installed: the unit verify tests will skip"
 	touch $@
 
-# The quantized-weight CPU kernels (C++), built into torch's extension cache where the engine
-# finds them; rebuilt when their source changes. Without g++/ninja the engine warns and runs
-# quantized matmuls in torch (workers/layers/quant/cpu_kernels.py).
-$(VENV)/.pagebus-kernels: workers/layers/quant/cpu_kernels.py $(VENV)/.pagebus-setup
+# The C++ CPU kernels (quantized matmuls; the cpu backend's fused ops), built into torch's
+# extension cache where the engine finds them; rebuilt when their source changes. Without
+# g++/ninja the engine warns and runs the same ops in torch (workers/layers/quant/cpu_kernels.py,
+# kernels/cpu_native.py).
+$(VENV)/.pagebus-kernels: workers/layers/quant/cpu_kernels.py kernels/cpu_native.py kernels/csrc/cpu_ops.cpp $(VENV)/.pagebus-setup
 	$(PY) -m pagebus.workers.layers.quant.cpu_kernels --build || echo "quantized-weight CPU kernels not built: see above"
+	$(PY) -m pagebus.kernels.cpu_native
 	touch $@
 
 serve: setup

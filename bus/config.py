@@ -15,7 +15,7 @@ from pagebus.bus.validation import need
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-AttentionBackend = Literal["auto", "triton", "torch"]
+AttentionBackend = Literal["auto", "triton", "torch", "cpu"]
 LoadFormat = Literal["auto", "dummy"]
 # How the workers start (vLLM's name): mp spawns them as processes of this machine (and of the
 # --node-rank machines); ray places them as actors on an existing Ray cluster (bus/ray_executor.py).

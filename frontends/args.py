@@ -18,7 +18,7 @@ _HELP = {
     "kv_cache_memory": "bytes for the KV cache (default 1 GiB on CPU)",
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "attention_backend": "auto: Triton on CUDA, torch on CPU",
+    "attention_backend": "auto: Triton on CUDA, cpu (compiled ops; torch if they cannot be built) on CPU",
     "kv_cache_dtype": "auto: the model dtype; fp8/fp8_e4m3: e4m3 cache, half the bytes of bf16",
     "tensor_parallel_size": "worker processes that each hold 1/N of every layer",
     "pipeline_parallel_size": "contiguous layer stages, one worker group each",

@@ -1,7 +1,9 @@
 """The compute backend: which implementation of each fused op the model calls.
 
 `torch` runs the `*_cpu` functions of `kernels/`: the `*_ref` specs' results with fewer passes
-and copies (attention reads the paged cache in place). What depends on the batch alone (rotary's
+and copies (attention reads the paged cache in place). `cpu` runs those ops compiled, one call
+each (kernels/cpu_native.py), wherever the tensors are float32, and the torch ones elsewhere.
+What depends on the batch alone (rotary's
 cos/sin rows, the KV slots, attention's sparse pattern) goes in the step's scratch
 (ForwardBatch.step_cache, passed as `memo=`): the first layer builds it, the rest reuse it. `triton` runs the
 Triton launchers (CUDA, or the interpreter in tests). The model only sees an `Ops`.
@@ -68,6 +70,12 @@ def torch_ops() -> Ops:
     )
 
 
+def cpu_ops() -> Ops:
+    from pagebus.kernels import cpu_native as n
+
+    return Ops("cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention)
+
+
 def _without_memo(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The model passes every op the step's scratch (`memo=`); Triton launchers take what they
     need from the device tensors and have no use for it."""
@@ -93,9 +101,17 @@ def triton_ops() -> Ops:
 
 
 def select_ops(backend: str, device: torch.device) -> Ops:
-    """auto: Triton on CUDA, torch elsewhere. The choice is logged once at start-up."""
+    """auto: Triton on CUDA; on CPUs the compiled ops, or torch's when they cannot be built
+    (a warning says why). The choice is logged once at start-up."""
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
-    ops = triton_ops() if backend == "triton" else torch_ops()
+        backend = "triton" if device.type == "cuda" else "cpu"
+    if backend == "cpu":
+        from pagebus.kernels.cpu_native import available
+
+        why = available()
+        if why is not None:
+            log.warning("compiled CPU ops unavailable (%s): running the torch backend", why)
+            backend = "torch"
+    ops = {"triton": triton_ops, "cpu": cpu_ops}.get(backend, torch_ops)()
     log.info("attention backend: %s (device %s)", ops.name, device)
     return ops

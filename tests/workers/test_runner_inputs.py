@@ -74,7 +74,7 @@ def test_ref_attention_takes_the_host_lists() -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_no_op_reads_a_tensor_back_in_the_forward(tmp_path, backend: str) -> None:
     runner = _tiny_runner(tmp_path, attention_backend=backend, max_num_batched_tokens=24)
     forward = runner.model.forward
@@ -125,7 +125,7 @@ class EagerGraphs:
         return self.forwards[size]()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_padded_decode_steps_give_the_eager_tokens(tmp_path, backend: str) -> None:
     runner = _tiny_runner(tmp_path, attention_backend=backend, max_num_batched_tokens=128)
     eager = _drive(runner, PROMPTS)

@@ -1,5 +1,6 @@
-"""The whole model on the Triton backend (the interpreter on CPU) gives the torch backend's
-greedy tokens, through the real scheduler: prefill chunks, decodes and a prefix-cache hit."""
+"""The whole model on the Triton backend (the interpreter on CPU) and on the compiled CPU ops
+gives the torch backend's greedy tokens, through the real scheduler: prefill chunks, decodes
+and a prefix-cache hit."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _greedy_tokens(path: str, backend: str, dtype: str) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_backend_matches_torch(tmp_path, dtype: str) -> None:
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_backend_matches_torch(tmp_path, backend: str, dtype: str) -> None:
     _save("qwen3", str(tmp_path), shard=False)
-    assert _greedy_tokens(str(tmp_path), "triton", dtype) == _greedy_tokens(str(tmp_path), "torch", dtype)
+    assert _greedy_tokens(str(tmp_path), backend, dtype) == _greedy_tokens(str(tmp_path), "torch", dtype)

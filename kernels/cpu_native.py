@@ -1,0 +1,202 @@
+"""The `cpu` backend: the torch backend's ops fused into one compiled call each (csrc/cpu_ops.cpp).
+
+Why: on a CPU a decode step of a small model is mostly dispatch. SmolLM2-135M's step ran about
+1,900 torch ops (64 a layer), at 3-5 us each on the machine this was written on, so the ops
+around the matmuls cost 14-17 ms of a 60 ms single-stream step on one thread. Each function here
+replaces a chain of them (RMSNorm with its residual add: 6 ops; rotary: 8; SiLU-and-mul: 3;
+decode attention: 8 plus per-step index building) with one call.
+
+What runs where: float32 CPU tensors take the compiled ops (rms_norm, add_rms_norm,
+silu_and_mul, rotary, write_kv, and attention for the sequences with one query token); any
+other dtype, an fp8 cache, or a prefill chunk's attention takes the torch backend's function
+(kernels/*_cpu), which stays the reference these are tested against (tests/kernels).
+
+The extension is compiled once per machine with -O3 -march=native (torch's cpp_extension and
+ninja); `make setup` builds it (`python -m pagebus.kernels.cpu_native`), and the module name
+carries a digest of the CPU's flags so a cache directory shared across machine kinds never
+serves a build for other instructions. If it cannot be built, `select_ops` falls back to the
+torch backend with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagebus.kernels.activation import silu_and_mul_cpu
+from pagebus.kernels.kv_cache_write import write_kv_cache_cpu
+from pagebus.kernels.paged_attention_cpu import _prefill, paged_attention_cpu
+from pagebus.kernels.rms_norm import rms_norm_cpu
+from pagebus.kernels.rotary import rotary_embedding_cpu
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_F32 = torch.float32
+
+
+def _f32(*xs: torch.Tensor) -> bool:
+    """Every tensor is a float32 CPU tensor: the compiled ops' one case. (A plain loop: this
+    runs several times a layer, and a generator costs more than the check.)"""
+    for x in xs:  # noqa: SIM110
+        if x.dtype is not _F32 or not x.is_cpu:
+            return False
+    return True
+
+
+def _cpu_flags_digest() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def native_ops() -> Any:
+    """The compiled module (built on first call if `make setup` did not); raises when the
+    machine cannot build it (no compiler, no ninja)."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=f"pagebus_cpu_ops_{_cpu_flags_digest()}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native"],
+        verbose=os.environ.get("PAGEBUS_VERBOSE_BUILD") == "1",
+    )
+
+
+def available() -> str | None:
+    """None when the compiled ops load, else why not (for the fallback's warning)."""
+    if os.environ.get("PAGEBUS_CPU_KERNELS", "1") == "0":
+        return "PAGEBUS_CPU_KERNELS=0"
+    try:
+        native_ops()
+    except Exception as e:  # any build failure means: run the torch backend
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if not _f32(x, weight, *(() if residual is None else (residual,))):
+        return rms_norm_cpu(x, weight, eps, residual)
+    if residual is None:
+        return native_ops().rms_norm(x, weight, eps)
+    out, new_residual = native_ops().add_rms_norm(x, residual, weight, eps)
+    return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if not _f32(x):
+        return silu_and_mul_cpu(x)
+    return native_ops().silu_and_mul(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    memo: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _f32(q, k, cos_sin_cache) or not _rows(q, k):
+        return rotary_embedding_cpu(positions, q, k, cos_sin_cache, memo=memo)
+    q_out, k_out = native_ops().rotary(positions, q, k, cos_sin_cache)
+    return q_out, k_out
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    memo: dict[str, Any] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    if not _f32(key, value, k_cache, v_cache) or not _rows(key, value):
+        write_kv_cache_cpu(
+            key, value, k_cache, v_cache, slot_mapping, memo=memo, k_scale=k_scale, v_scale=v_scale
+        )
+        return
+    native_ops().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _rows(*xs: torch.Tensor) -> bool:
+    """Each [T, heads, d] tensor's head vectors are contiguous (rows may be strided)."""
+    for x in xs:
+        s = x.stride()
+        if s[2] != 1 or s[1] != x.shape[2]:
+            return False
+    return True
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    seq_lens_host: list[int] | None = None,
+    query_start_loc_host: list[int] | None = None,
+    memo: dict[str, Any] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """`paged_attention_cpu`'s contract. One-token queries run compiled, in place on the caches;
+    prefill chunks go through SDPA one sequence at a time, as in the torch backend."""
+    native = (
+        _f32(q, k_cache, v_cache)
+        and k_scale == 1.0
+        and v_scale == 1.0
+        and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+        and k_cache.stride(3) == 1
+        and k_cache.stride() == v_cache.stride()
+        and _rows(q)
+    )
+    if not native:
+        return paged_attention_cpu(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, seq_lens_host=seq_lens_host,
+            query_start_loc_host=query_start_loc_host, memo=memo, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    out = torch.empty_like(q)
+    native_ops().decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if max_query_len == 1:
+        return out
+    starts = query_start_loc_host if query_start_loc_host is not None else query_start_loc.tolist()
+    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    for i in range(len(starts) - 1):
+        a, b = starts[i], starts[i + 1]
+        if b - a > 1:
+            out[a:b] = _prefill(q[a:b], k_cache, v_cache, block_tables[i], lens[i], scale)
+    return out
+
+
+def main() -> int:
+    """`python -m pagebus.kernels.cpu_native`: build the extension now (make setup runs it)."""
+    why = available()
+    if why is None:
+        print(f"pagebus CPU kernels: built ({native_ops().__name__})")
+        return 0
+    print(f"pagebus CPU kernels: not built ({why}); the engine will use the torch backend", file=sys.stderr)
+    return 0  # not fatal: the torch backend serves without them
+
+
+if __name__ == "__main__":
+    sys.exit(main())
