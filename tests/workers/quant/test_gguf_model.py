@@ -74,5 +74,7 @@ def test_q4_1_weights_take_at_most_half_their_bf16_bytes(runners: dict[str, Mode
 def test_gguf_quantization_needs_a_gguf_file() -> None:
     with pytest.raises(ValueError, match=r"needs a \.gguf file"):
         select.resolve("gguf", is_gguf=False)
-    with pytest.raises(ValueError, match="'awq' is not supported"):
-        select.resolve("awq", is_gguf=True)
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
+        select.resolve("bitsandbytes", is_gguf=True)
+    with pytest.raises(ValueError, match="--quantization awq needs a checkpoint whose config.json"):
+        select.resolve("awq", is_gguf=True)  # a GGUF file has no quantization_config

@@ -5,6 +5,7 @@ GPTQ (act-order) and as AWQ gives the greedy tokens of its dequantized float wei
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -194,6 +195,22 @@ def test_quantization_flag_against_checkpoint() -> None:
         select.resolve("awq", False, None)
 
 
+def test_settings_from_autogptq_and_autoawq_files(tmp_path) -> None:
+    """Directories without config.json's quantization_config: the quantizers' own files."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert select.checkpoint_quant_config(str(tmp_path)) is None
+    (tmp_path / "quant_config.json").write_text(
+        json.dumps({"w_bit": 4, "q_group_size": 64, "version": "GEMM"})
+    )
+    qc = select.checkpoint_quant_config(str(tmp_path))
+    assert qc is not None and GroupQuantConfig.from_hf(qc) == GroupQuantConfig("awq", 4, 64, False, False)
+    (tmp_path / "quantize_config.json").write_text(
+        json.dumps({"bits": 4, "group_size": 128, "desc_act": True})
+    )
+    qc = select.checkpoint_quant_config(str(tmp_path))
+    assert qc is not None and GroupQuantConfig.from_hf(qc) == GroupQuantConfig("gptq", 4, 128, True, True)
+
+
 PROMPTS = {f"r{i}": ([(13 * i + 7 * j) % 190 + 3 for j in range(3 + 6 * i)], 8) for i in range(3)}
 
 
@@ -216,8 +233,12 @@ def test_tiny_llama_tokens_equal_dequantized(float_weights, method: str, act_ord
     quant_dir, ref_dir = _checkpoints(float_weights, method, act_order, tmp_path)
     quant = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64), quant_dir)  # detected
     ref = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64), ref_dir)
-    held = quant.model.model.layers[0].self_attn.qkv_proj.quant_method
+    qkv = quant.model.model.layers[0].self_attn.qkv_proj
+    held = qkv.quant_method
     assert isinstance(held, GroupQuantLinearMethod) and held.cfg.method == method
+    # held packed on CPU: 4 bits a weight, float32 d and m per 32 columns, int64 perm (act-order)
+    n, k = qkv.out_features, qkv.in_features
+    assert held.resident_bytes(qkv) == n * k // 2 + 2 * 4 * n * k // 32 + 8 * k * act_order
     assert drive_greedy(quant, PROMPTS)[0] == drive_greedy(ref, PROMPTS)[0]
 
 

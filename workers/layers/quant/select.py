@@ -9,22 +9,43 @@ from typing import Any
 from pagebus.workers.layers.quant.base import LinearMethodFactory
 
 # Formats a checkpoint's config.json can declare (quantization_config.quant_method) that we serve.
-CHECKPOINT_METHODS = ("gptq", "awq")
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8")
+# Formats made at load from any float checkpoint (fp8 also loads as a checkpoint ships it).
+MADE_AT_LOAD = ("int8", "fp8")
+
+
+# Older AutoGPTQ / AutoAWQ directories keep the settings in a file of their own, without
+# config.json's quantization_config (and often without quant_method): vLLM reads these too.
+_OWN_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def _json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        obj = json.load(f)
+    return obj if isinstance(obj, dict) else None
 
 
 def checkpoint_quant_config(path: str) -> dict[str, Any] | None:
-    """config.json's quantization_config of an HF directory (None for GGUF files and plain ones)."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    """The quantization settings of an HF directory: config.json's quantization_config, else an
+    AutoGPTQ quantize_config.json or AutoAWQ quant_config.json (None for GGUF files, plain ones)."""
+    cfg = _json(os.path.join(path, "config.json"))
+    if cfg is None:
         return None
-    with open(cfg_path) as f:
-        qc = json.load(f).get("quantization_config")
-    return qc if isinstance(qc, dict) else None
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict):
+        return qc
+    for name, method in _OWN_FILES:
+        own = _json(os.path.join(path, name))
+        if own is not None:
+            return {"quant_method": method, **own}
+    return None
 
 
 def resolve(quantization: str | None, is_gguf: bool, checkpoint: dict[str, Any] | None = None) -> str:
-    """The format the weights are held in: "gguf" (packed blocks), "int8", "gptq", "awq" (packed
-    as stored) or "none" (float). `checkpoint`: its quantization_config; as in vLLM, a declared
+    """The format the weights are held in: "gguf" (packed blocks), "int8", "fp8", "gptq", "awq"
+    (packed as stored) or "none" (float). `checkpoint`: its quantization_config; as in vLLM, a declared
     format is used when the flag is absent, and the flag must name it when given."""
     found = checkpoint.get("quant_method") if checkpoint else None
     if found is not None:
@@ -39,7 +60,7 @@ def resolve(quantization: str | None, is_gguf: bool, checkpoint: dict[str, Any] 
                 f"(config.json quantization_config): pass --quantization {found} or leave it out"
             )
         return str(found)
-    if quantization in CHECKPOINT_METHODS:
+    if quantization in CHECKPOINT_METHODS and quantization not in MADE_AT_LOAD:
         raise ValueError(
             f"--quantization {quantization} needs a checkpoint whose config.json has a quantization_config "
             f"with quant_method {quantization!r}; this one has none"
@@ -48,8 +69,10 @@ def resolve(quantization: str | None, is_gguf: bool, checkpoint: dict[str, Any] 
         return "none"
     if quantization == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf needs a .gguf file; this checkpoint is not one")
-    if quantization not in ("gguf", "int8", "none"):
-        raise ValueError(f"--quantization {quantization!r} is not supported (gguf, int8, gptq, awq, none)")
+    if quantization not in ("gguf", *MADE_AT_LOAD, "none"):
+        raise ValueError(
+            f"--quantization {quantization!r} is not supported (gguf, int8, fp8, gptq, awq, none)"
+        )
     return quantization
 
 
@@ -62,6 +85,10 @@ def factory(resolved: str, checkpoint: dict[str, Any] | None = None) -> LinearMe
         from pagebus.workers.layers.quant.gguf import Int8LinearMethod
 
         return lambda layer: Int8LinearMethod()
+    if resolved == "fp8":
+        from pagebus.workers.layers.quant.fp8 import fp8_factory
+
+        return fp8_factory(checkpoint)
     if resolved in CHECKPOINT_METHODS:
         from pagebus.workers.layers.quant.group_quant import method_factory
 
