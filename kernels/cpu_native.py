@@ -11,8 +11,8 @@ silu_and_mul, rotary, write_kv, and attention for the sequences with one query t
 other dtype, an fp8 cache, or a prefill chunk's attention takes the torch backend's function
 (kernels/*_cpu), which stays the reference these are tested against (tests/kernels).
 
-The extension is compiled once per machine with -O3 -march=native (torch's cpp_extension and
-ninja); `make setup` builds it (`python -m pagebus.kernels.cpu_native`), and the module name
+The extension is compiled once per machine with -O3 -march=native -fopenmp (torch's
+cpp_extension and ninja); `make setup` builds it (`python -m pagebus.kernels.cpu_native`), and the module name
 carries a digest of the CPU's flags so a cache directory shared across machine kinds never
 serves a build for other instructions. If it cannot be built, `select_ops` falls back to the
 torch backend with a warning that says why.
@@ -68,7 +68,10 @@ def native_ops() -> Any:
     return load(
         name=f"pagebus_cpu_ops_{_cpu_flags_digest()}",
         sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-march=native"],
+        # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without
+        # the flag it compiles to a serial one.
+        extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
         verbose=os.environ.get("PAGEBUS_VERBOSE_BUILD") == "1",
     )
 

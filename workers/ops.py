@@ -3,10 +3,10 @@
 `torch` runs the `*_cpu` functions of `kernels/`: the `*_ref` specs' results with fewer passes
 and copies (attention reads the paged cache in place). `cpu` runs those ops compiled, one call
 each (kernels/cpu_native.py), wherever the tensors are float32, and the torch ones elsewhere.
-What depends on the batch alone (rotary's
-cos/sin rows, the KV slots, attention's sparse pattern) goes in the step's scratch
-(ForwardBatch.step_cache, passed as `memo=`): the first layer builds it, the rest reuse it. `triton` runs the
-Triton launchers (CUDA, or the interpreter in tests). The model only sees an `Ops`.
+What depends on the batch alone (rotary's cos/sin rows, the KV slots, attention's sparse
+pattern) goes in the step's scratch (ForwardBatch.step_cache, passed as `memo=`): the first
+layer builds it, the rest reuse it. `triton` runs the Triton launchers (CUDA, or the
+interpreter in tests). The model only sees an `Ops`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 // The CPU backend's fused ops (float32): each replaces a chain of small torch ops whose
 // dispatch, not arithmetic, dominated a decode step (kernels/cpu_native.py says why and
 // when each is used). Built once per machine with -O3 -march=native; loops are written with
-// fixed-width lane arrays so the compiler vectorizes them without -ffast-math (which would
-// also assume no infinities, and attention masks with them).
+// OpenMP simd reductions where a sum must be reordered to vectorize, never -ffast-math (which
+// would also assume no infinities, and attention masks with them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,17 +15,12 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // one AVX-512 register of floats; two AVX2 ones
-
-// sum(x[i] * y[i]): kLanes independent partial sums, so the loop vectorizes as written.
+// sum(x[i] * y[i]). `omp simd reduction` lets the compiler reorder this one sum into vector
+// lanes (built with -fopenmp); everything else keeps IEEE order.
 inline float dot(const float* __restrict__ x, const float* __restrict__ y, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) acc[l] += x[i + l] * y[i + l];
   float s = 0.f;
-  for (; i < n; ++i) s += x[i] * y[i];
-  for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
   return s;
 }
 
@@ -198,9 +193,38 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+// scores[hh] = q[hh] . k for the `group` query heads sharing one K row (heads adjacent in q).
+inline void group_dots(const float* __restrict__ q, const float* __restrict__ k, int64_t group, int64_t d,
+                       float sc, float* __restrict__ scores, int64_t stride) {
+#ifdef __AVX512F__
+  if (d % 16 == 0 && d <= 256) {
+    __m512 kv[16];
+    for (int64_t c = 0; c < d / 16; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const float* qh = q + hh * d;
+      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+      __m512 a1 = _mm512_setzero_ps();
+      for (int64_t c = 1; c < d / 16; c += 2) {  // two chains: FMA latency, not throughput, bound
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kv[c], a1);
+        if (c + 1 < d / 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * (c + 1)), kv[c + 1], a0);
+      }
+      scores[hh * stride] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * sc;
+    }
+    return;
+  }
+#endif
+  for (int64_t hh = 0; hh < group; ++hh) scores[hh * stride] = dot(q + hh * d, k, d) * sc;
+}
+
 // Attention for the sequences with one query token (decodes), reading the paged caches in
 // place: out[t] for t = query_start_loc[b] of every such b; other rows are left untouched.
-// One work item per (sequence, KV head): its query heads share each K/V row read.
+// One work item per sequence, all its heads: a block's K (then V) rows are read in storage
+// order, every KV head of a token before the next token, and each K/V row once for the
+// query heads that share it.
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                       double scale) {
@@ -233,40 +257,49 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   const float sc = static_cast<float>(scale);
   for (int64_t b = 0; b < B; ++b)
     if (qp0[b + 1] - qp0[b] == 1) TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "decode_attention: bad length");
-  at::parallel_for(0, B * kvh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / kvh, g = item % kvh;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scores;  // [h, L]
+    for (int64_t b = b0; b < b1; ++b) {
       if (qp0[b + 1] - qp0[b] != 1) continue;
       const int64_t t = qp0[b], L = lp[b];
-      scores.resize(static_cast<size_t>(group * L));
+      scores.resize(static_cast<size_t>(h * L));
+      float* sp = scores.data();
       const int32_t* table = btp + b * width;
-      for (int64_t j = 0; j < L; ++j) {
-        const float* kr = kc + table[j / bs] * s0 + (j % bs) * s1 + g * s2;
-        for (int64_t hh = 0; hh < group; ++hh)
-          scores[hh * L + j] = dot(qp + t * qs + (g * group + hh) * d, kr, d) * sc;
+      const float* qt = qp + t * qs;
+      for (int64_t j0 = 0; j0 < L; j0 += bs) {  // block by block: no division per key
+        const int64_t base = table[j0 / bs] * s0, n = std::min(bs, L - j0);
+        for (int64_t o = 0; o < n; ++o)
+          for (int64_t g = 0; g < kvh; ++g)
+            group_dots(qt + g * group * d, kc + base + o * s1 + g * s2, group, d, sc, sp + g * group * L + j0 + o, L);
       }
-      for (int64_t hh = 0; hh < group; ++hh) {
-        float* s = scores.data() + hh * L;
+      float* ot = op + t * os;
+      for (int64_t hh = 0; hh < h; ++hh) {
+        float* __restrict__ s = sp + hh * L;
         float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
+#pragma omp simd
+        for (int64_t j = 0; j < L; ++j) s[j] = fast_exp(s[j] - m);
         float total = 0.f;
-        for (int64_t j = 0; j < L; ++j) {
-          s[j] = fast_exp(s[j] - m);
-          total += s[j];
-        }
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < L; ++j) total += s[j];
         const float inv = 1.0f / total;
+#pragma omp simd
         for (int64_t j = 0; j < L; ++j) s[j] *= inv;
-        float* __restrict__ o = op + t * os + (g * group + hh) * d;
-        std::fill(o, o + d, 0.f);
       }
-      for (int64_t j = 0; j < L; ++j) {
-        const float* __restrict__ vr = vc + table[j / bs] * s0 + (j % bs) * s1 + g * s2;
-        for (int64_t hh = 0; hh < group; ++hh) {
-          const float p = scores[hh * L + j];
-          float* __restrict__ o = op + t * os + (g * group + hh) * d;
-          for (int64_t i = 0; i < d; ++i) o[i] += p * vr[i];
-        }
+      std::fill(ot, ot + h * d, 0.f);
+      for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const int64_t base = table[j0 / bs] * s0, n = std::min(bs, L - j0);
+        for (int64_t o = 0; o < n; ++o)
+          for (int64_t g = 0; g < kvh; ++g) {
+            const float* __restrict__ vr = vc + base + o * s1 + g * s2;
+            for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
+              const float p = sp[hh * L + j0 + o];
+              float* __restrict__ oh = ot + hh * d;
+#pragma omp simd
+              for (int64_t i = 0; i < d; ++i) oh[i] += p * vr[i];
+            }
+          }
       }
     }
   });
