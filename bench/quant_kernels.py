@@ -1,9 +1,13 @@
 """Which CPU kernel multiplies quantized weights fastest at this model's shapes, per format.
 
-    python -m bench.quant_kernels [--rows 1 32 256] [--rounds 3] [--compile]
+    python -m bench.quant_kernels [--rows 1 32 256] [--rounds 3] [--compile] [--kernels FILE]
 
 Candidates, all computing `x @ W^T` for fp32 x from 32-wide groups of quantized weights:
-- fp32: F.linear on the dequantized weight in linear.py's layout (today's path, the baseline);
+- fp32: F.linear on the dequantized weight in linear.py's layout (the unquantized path);
+- q4_pagebus, q8_0_pagebus: the engine's C++ kernels (workers/layers/quant/cpu_kernels.py, or
+  another revision of that file with --kernels, e.g. `git show REV:workers/layers/quant/cpu_kernels.py`
+  saved with its extension name changed), with the weight bytes they read per second
+  (`GBps`: packed quants plus float32 scales) beside `dram_read_GBps`, a 512 MiB tensor's sum;
 - int4pack: torch's `_weight_int4pack_mm_for_cpu` (Q4_0/Q4_1: w = (q - 8) * scale + zero, exact);
 - int8pack: torch's `_weight_int8pack_mm` (per-channel scales: int8, or Q8_0 re-scaled per row);
 - int8pack_blocks: Q8_0 exactly, one int8pack call per 32-column group, summed;
@@ -16,8 +20,10 @@ Prints one JSON object: microseconds per call per (shape, rows, kernel).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +43,26 @@ def _best(fn: Callable[[], torch.Tensor], reps: int) -> float:
     return best
 
 
-def _candidates(n: int, k: int, x: torch.Tensor, compile_: bool) -> dict[str, Callable[[], torch.Tensor]]:
+def _kernels(path: str | None) -> ModuleType:
+    if path is None:
+        from pagebus.workers.layers.quant import cpu_kernels
+
+        return cpu_kernels
+    spec = importlib.util.spec_from_file_location("bench_quant_kernels_under_test", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _dram_read_gbps() -> float:
+    big = torch.ones(128 << 20)  # 512 MiB, far above the last-level cache
+    return round(big.numel() * 4 / _best(lambda: big.sum(), 5) / 1e9, 1)
+
+
+def _candidates(
+    n: int, k: int, x: torch.Tensor, compile_: bool, ck: ModuleType
+) -> dict[str, Callable[[], torch.Tensor]]:
     q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
     scale, zero = torch.rand(n, k // G) * 0.01, torch.randn(n, k // G) * 0.01
     w4 = ((q4 - 8).float().view(n, k // G, G) * scale[..., None] + zero[..., None]).view(n, k)
@@ -65,8 +90,11 @@ def _candidates(n: int, k: int, x: torch.Tensor, compile_: bool) -> dict[str, Ca
             y += torch.ops.aten._weight_int8pack_mm(x_groups[g], q8_groups[g], s8_groups[g])
         return y
 
+    ours_q4 = (nib.view(n, k // G, 16), scale.contiguous(), (-8 * scale + zero).contiguous())
     c: dict[str, Callable[[], torch.Tensor]] = {
         "fp32": lambda: F.linear(x, w_t),
+        "q4_pagebus": lambda: ck.q4_mm(x, *ours_q4),
+        "q8_0_pagebus": lambda: ck.q8_mm(x, q8, s8),
         "q4_int4pack": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz),
         "q4_dequant": dequant4,
         "int8pack_per_channel": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, row_s),
@@ -79,13 +107,19 @@ def _candidates(n: int, k: int, x: torch.Tensor, compile_: bool) -> dict[str, Ca
     return c
 
 
-def measure(rows: list[int], rounds: int, compile_: bool) -> dict[str, dict[str, dict[str, float]]]:
+# Bytes the engine's kernels read per weight: quants, plus float32 scales per 32 (q4: d and m).
+_BYTES_PER_WEIGHT = {"q4_pagebus": 0.5 + 8 / G, "q8_0_pagebus": 1 + 4 / G}
+
+
+def measure(
+    rows: list[int], rounds: int, compile_: bool, ck: ModuleType
+) -> dict[str, dict[str, dict[str, float]]]:
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, (n, k) in SHAPES.items():
         out[name] = {}
         for m in rows:
             x = torch.randn(m, k)
-            cands = _candidates(n, k, x, compile_)
+            cands = _candidates(n, k, x, compile_, ck)
             reps = max(3, min(50, int(3e8 / (2 * m * n * k))))
             best = dict.fromkeys(cands, float("inf"))
             for fn in cands.values():
@@ -94,6 +128,8 @@ def measure(rows: list[int], rounds: int, compile_: bool) -> dict[str, dict[str,
                 for kname, fn in cands.items():
                     best[kname] = min(best[kname], _best(fn, reps))
             out[name][str(m)] = {kname: round(t * 1e6, 1) for kname, t in best.items()}
+            for kname, per_weight in _BYTES_PER_WEIGHT.items():
+                out[name][str(m)][f"{kname}_GBps"] = round(n * k * per_weight / best[kname] / 1e9, 1)
     return out
 
 
@@ -104,15 +140,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd dequant-matmul")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--kernels", default=None, help="a cpu_kernels.py revision to time (default: the engine's)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    ck = _kernels(args.kernels)
     with torch.inference_mode():
-        results = measure(args.rows, args.rounds, args.compile)
+        results = measure(args.rows, args.rounds, args.compile, ck)
+        dram = _dram_read_gbps()
     emit({
-        "bench": "quant_kernels", "unit": "us_per_call",
+        "bench": "quant_kernels", "unit": "us_per_call", "kernels": args.kernels or "engine",
         "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "results": results,
+        "dram_read_GBps": dram, "results": results,
     })  # fmt: skip
 
 
