@@ -67,3 +67,26 @@ def test_greedy_tokens_and_distributions_stay_close(
         f"fp8 KV vs fp32 KV over {total} prompt positions: top-1 agreement {top1:.3f}, mean KL {mean_kl:.2e}"
     )
     assert top1 >= MIN_TOP1 and mean_kl <= MAX_MEAN_KL, (top1, mean_kl)
+
+
+def test_flag_reaches_the_engine_config_from_every_front(tmp_path) -> None:
+    """The CLI flag, serve --config's TOML, PAGEBUS_* and LLM(**kwargs) all set kv_cache_dtype;
+    a value outside vLLM's names is refused, naming the choices."""
+    from pagebus.bus.config import make_engine_config
+    from pagebus.frontends.args import engine_config_from_args
+    from pagebus.frontends.cli import build_parser
+    from pagebus.frontends.service.config import apply
+
+    toml = tmp_path / "pagebus.toml"
+    toml.write_text('kv_cache_dtype = "fp8_e4m3"\n')
+    for argv, env, want in (
+        (["--kv-cache-dtype", "fp8"], {}, "fp8"),
+        (["--config", str(toml)], {}, "fp8_e4m3"),
+        ([], {"PAGEBUS_KV_CACHE_DTYPE": "fp8"}, "fp8"),
+        ([], {}, "auto"),
+    ):
+        args = apply(build_parser(), ["serve", *argv], env)
+        assert engine_config_from_args(args).kv_cache_dtype == want, (argv, env)
+    assert make_engine_config(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"  # what LLM(...) calls
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_engine_config(kv_cache_dtype="fp8_e5m2")

@@ -11,8 +11,8 @@ import torch
 from pagebus.bus.config import EngineConfig
 from pagebus.kernels.fp8 import FP8_DTYPE, to_fp8
 from pagebus.workers.layers.linear import Embedding, Linear
-from pagebus.workers.layers.quant import select
-from pagebus.workers.layers.quant.fp8 import Fp8LinearMethod, checkpoint_settings
+from pagebus.workers.layers.quant import fp8_cpu, select
+from pagebus.workers.layers.quant.fp8 import Fp8LinearMethod, checkpoint_settings, quantize_rows
 from pagebus.workers.loader import resident_weight_bytes
 from pagebus.workers.runner import ModelRunner
 
@@ -39,7 +39,7 @@ def _layer(method: Fp8LinearMethod, w: torch.Tensor) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 9, 40])  # the CPU kernel: 8-row chunks; above 32, one BLAS call
 def test_made_at_load_matches_dequantized(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 320, generator=g), torch.randn(rows, 320, generator=g)
@@ -56,6 +56,24 @@ def test_made_at_load_matches_dequantized(rows: int) -> None:
     emb = Embedding(96, 320)
     emb.tie_to(layer)
     assert torch.equal(emb(torch.tensor([3, 80])), deq[[3, 80]])
+
+
+def test_cpu_kernel_is_used_and_falls_back() -> None:
+    """K a multiple of 16: the compiled kernel (subnormal e4m3 weights included); K = 40: torch."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 320, generator=g)
+    w[:, :8] *= 1e-4  # far below each row's amax: e4m3 subnormals
+    q, scale = quantize_rows(w)
+    deq = q.float() * scale[:, None]
+    x = torch.randn(3, 320, generator=g)
+    y = fp8_cpu.fp8_mm(x, q, scale)
+    assert y is not None  # built (make test's machines have g++ and ninja)
+    torch.testing.assert_close(y, x @ deq.t(), rtol=1e-5, atol=1e-5)
+    assert fp8_cpu.fp8_mm(x[:, :40], q[:, :40].contiguous(), scale) is None
+    layer = _layer(Fp8LinearMethod(), w[:, :40])
+    torch.testing.assert_close(
+        layer(x[:, :40]), x[:, :40] @ layer.quant_method.dequantized(layer, torch.float32).t()
+    )
 
 
 def test_scaled_mm_path_quantizes_activations_per_token() -> None:

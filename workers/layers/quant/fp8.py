@@ -16,8 +16,10 @@ How `x @ W^T` runs:
 - CUDA, compute capability 8.9+ (Ada, Hopper), bf16 activations, K and N multiples of 16:
   `torch._scaled_mm` (W8A8): activations quantized per token (dynamic) or with the checkpoint's
   static input scale, row-wise scales on both sides, bf16 out.
-- everywhere else (CPUs, older GPUs, fp16/fp32 activations): the weight dequantized to the
-  activation dtype, then F.linear (weight-only; e4m3 widens exactly to bf16/fp16/fp32).
+- CPUs, float32 activations: fp8_cpu.py's compiled kernel widens the bytes in registers
+  (weight-only; e4m3 widens exactly to fp32).
+- everywhere else (older GPUs, fp16/fp32 activations on a GPU, a CPU without the kernel): the
+  weight dequantized to the activation dtype, then F.linear.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 from pagebus.kernels.fp8 import FP8_DTYPE, FP8_MAX, to_fp8
+from pagebus.workers.layers.quant import fp8_cpu
 from pagebus.workers.layers.quant.base import LinearMethod, LinearMethodFactory
 from torch import nn
 
@@ -154,6 +157,12 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm and (x.dtype == torch.bfloat16 or x.device.type == "cpu"):
             return self._scaled_mm(layer, x)
+        if x.device.type == "cpu":
+            shape = x.shape
+            y = fp8_cpu.fp8_mm(x.reshape(-1, shape[-1]), layer.weight, _scale(layer))
+            if y is not None:
+                y = y if layer.bias is None else y + layer.bias
+                return y.reshape(*shape[:-1], layer.out_features)
         return F.linear(x, self.dequantized(layer, x.dtype), layer.bias)
 
     def _scaled_mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
