@@ -47,7 +47,8 @@ def calibrate_kv_scales(runner: ModelRunner, seed: int = 0) -> KVScales:
     if runner.parallel.layout.world_size > 1:
         log.info("fp8 KV cache: scale 1.0 for K and V (no calibration across parallel ranks)")
         return [(1.0, 1.0)] * layers
-    n = min(CALIBRATION_TOKENS, runner.max_model_len)
+    # One step's worth at most: the input buffers hold max_num_batched_tokens.
+    n = min(CALIBRATION_TOKENS, runner.max_model_len, runner.inputs.max_tokens)
     bs = runner.block_size
     blocks = -(-n // bs)
     g = torch.Generator().manual_seed(seed)

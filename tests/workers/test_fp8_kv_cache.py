@@ -90,3 +90,24 @@ def test_flag_reaches_the_engine_config_from_every_front(tmp_path) -> None:
     assert make_engine_config(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"  # what LLM(...) calls
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_engine_config(kv_cache_dtype="fp8_e5m2")
+
+
+def test_every_backend_reads_the_fp8_cache_alike(tmp_path) -> None:
+    """A tiny Qwen3 with an fp8 cache: the Triton kernels (the interpreter here), the compiled CPU
+    ops and the torch ops give the same greedy tokens through prefill chunks, decodes and a
+    prefix-cache hit (the writers store the same bytes; the readers widen them exactly)."""
+    from tests.workers.test_architectures import _save
+
+    _save("qwen3", str(tmp_path), shard=False)
+    prompts = {"a": [5, 9, 17, 3, 99, 4, 1, 8, 60, 2, 33], "b": [5, 9, 17, 3, 99, 4, 1, 8, 7], "c": [42]}
+    outs = {}
+    for backend in ("torch", "cpu", "triton"):
+        cfg = EngineConfig(
+            dtype="float32", num_kv_blocks=48, block_size=4, attention_backend=backend,
+            max_num_batched_tokens=12, kv_cache_dtype="fp8",
+        )  # fmt: skip
+        runner = ModelRunner(cfg, str(tmp_path))
+        assert runner.ops.name == backend and runner.kv_scales is not None
+        outs[backend], sched = drive_greedy(runner, {rid: (ids, 4) for rid, ids in prompts.items()})
+        assert sched.stats().prefix_cache_hits > 0
+    assert outs["cpu"] == outs["torch"] == outs["triton"]
