@@ -59,6 +59,7 @@ from pagebus.workers.sampling import _plain_greedy as _plain_greedy_row
 from pagebus.workers.spec.draft import DraftModel
 from pagebus.workers.spec.verify import accepted_tokens, verify_rows
 from pagebus.workers.structured import GrammarStates
+from pagebus.workers.threads import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,10 @@ class ModelRunner:
         check_kv_cache_support(self.kv_dtype, self.device, self.ops.name)
         self.kv_scales: KVScales | None = None  # an fp8 cache's, measured once it exists
         self.sampler = Sampler(cfg.seed)
+        # Unless the user fixed the thread count, matmuls use fewer cores while others need them.
+        self.core_share = (
+            CoreShare(torch.get_num_threads()) if cfg.num_threads is None and not on_cuda else None
+        )
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else None
         # Structured outputs: xgrammar loads lazily, on the first constrained request.
         self.grammars = GrammarStates(cfg.tokenizer or model_path, mc.vocab_size, list(mc.eos_token_ids))
@@ -340,6 +345,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute(self, batch: ExecuteBatch) -> BatchResult:
+        if self.core_share is not None:
+            self.core_share.update()
         for seq_id in batch.finished_seq_ids:
             self._drop(seq_id)
         scheduled: list[tuple[str, int, int]] = []  # (seq_id, num_computed, num_scheduled)
