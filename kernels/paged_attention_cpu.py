@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from pagebus.kernels.fp8 import is_fp8, widen
 from pagebus.kernels.paged_attention import paged_attention_ref
 
 # torch warns once per process that sparse CSR tensors are "beta" (the two kernels used here are
@@ -239,6 +240,12 @@ def _decode_in_place(
     return o.view(num_seqs, num_heads, d)
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks `blocks`; an fp8 cache's widened to float32 on the way."""
+    out = cache.index_select(0, blocks)
+    return widen(out) if is_fp8(out.dtype) else out
+
+
 def _decode_gathered(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -254,8 +261,9 @@ def _decode_gathered(
     nb = -(-width // bs)
     idx = tables[:, :nb].reshape(-1).long()
     # [B * nb, bs, kvh, d] -> [B, kvh, L, d] strided views: SDPA reads them without a copy.
-    k = k_cache.index_select(0, idx).view(num_seqs, nb * bs, kvh, d).transpose(1, 2).float()
-    v = v_cache.index_select(0, idx).view(num_seqs, nb * bs, kvh, d).transpose(1, 2).float()
+    k, v = _gather(k_cache, idx), _gather(v_cache, idx)
+    k = k.view(num_seqs, nb * bs, kvh, d).transpose(1, 2).float()
+    v = v.view(num_seqs, nb * bs, kvh, d).transpose(1, 2).float()
     mask = (torch.arange(nb * bs) < lens_t.unsqueeze(1))[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -275,8 +283,8 @@ def _prefill(
     qlen, _, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     idx = table[: -(-seq_len // bs)].long()
-    k = k_cache.index_select(0, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)  # [kvh, n, d]
-    v = v_cache.index_select(0, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)
+    k = _gather(k_cache, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)  # [kvh, n, d]
+    v = _gather(v_cache, idx).view(-1, kvh, d)[:seq_len].transpose(0, 1)
     qt = q.transpose(0, 1)  # [h, qlen, d]
     if q.dtype not in _SPARSE_DTYPES or k.dtype != q.dtype:  # the ref's: fp32 products, softmax
         qt, k, v = qt.float(), k.float(), v.float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagebus.kernels.fp8 import FP8_DTYPE, FP8_MAX, kv_cache_dtype, to_fp8
+from pagebus.kernels.fp8 import FP8_DTYPE, FP8_MAX, kv_cache_dtype, to_fp8, widen
 from pagebus.kernels.kv_cache_write import write_kv_cache, write_kv_cache_cpu, write_kv_cache_ref
 from pagebus.kernels.paged_attention import PagedAttentionOptions, paged_attention, paged_attention_ref
 from pagebus.kernels.paged_attention_cpu import paged_attention_cpu
@@ -104,3 +104,10 @@ def test_cache_dtype_names() -> None:
     assert kv_cache_dtype("fp8", torch.float32) == kv_cache_dtype("fp8_e4m3", torch.float32) == FP8_DTYPE
     with pytest.raises(ValueError, match=r"fp8_e5m2.*not supported"):
         kv_cache_dtype("fp8_e5m2", torch.float32)
+
+
+def test_widen_gives_torchs_values_for_every_byte() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).reshape(4, 64)  # NaNs too: compare bits
+    assert torch.equal(widen(codes).view(torch.int32), codes.float().view(torch.int32))
+    strided = codes.t()  # not contiguous
+    assert torch.equal(widen(strided).view(torch.int32), strided.float().view(torch.int32))

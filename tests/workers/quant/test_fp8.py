@@ -197,6 +197,7 @@ def test_fp8_checkpoint_loads_its_dequantized_floats_exactly(tiny, scheme: str, 
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
         ({"quant_method": "fp8", "activation_scheme": "per_token"}, "activation_scheme 'per_token'"),
         ({"quant_method": "fp8", "ignored_layers": ["lm_head", "model.layers.0.mlp.down_proj"]}, "down_proj"),
+        ({"quant_method": "fp8", "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
     ],
 )
 def test_unsupported_checkpoints_named(qc: dict, named: str) -> None:

@@ -200,6 +200,12 @@ def checkpoint_settings(checkpoint: dict[str, Any] | None) -> tuple[bool, bool]:
             f"fp8 checkpoint: block-wise scales (weight_block_size {checkpoint['weight_block_size']}) are "
             "not supported; per-tensor and per-channel scales are"
         )
+    kv = sorted(k for k in checkpoint if k.startswith("kv_cache"))
+    if kv:  # they come with k_scale/v_scale tensors the attention layers have no place for
+        raise ValueError(
+            f"fp8 checkpoint: KV-cache quantization settings ({kv[0]}) are not supported; "
+            "--kv-cache-dtype fp8 computes its own scales"
+        )
     ignored = [n for n in checkpoint.get("ignored_layers") or [] if n.split(".")[-1] != "lm_head"]
     if ignored:
         raise ValueError(
