@@ -8,6 +8,13 @@ warms it with one request, then times `generate` on the same greedy requests; th
 every layout must equal the first layout's. The all-reduce timing runs two gloo ranks on the
 loopback (NCCL ranks on CUDA when two GPUs exist) reducing [rows, hidden] float32 tensors, the
 shape every row-parallel layer reduces: 2 per decoder layer per step.
+
+Each worker's busy fraction (per pipeline stage: 1 - it is the bubble) comes from its main
+thread's /proc schedstat over the timed run: time on a CPU / (wall time - time it was runnable
+but waiting for a CPU). A rank waiting for a peer or for the next step sleeps in a socket read,
+and the time other processes held the cores is taken out, so on a loaded machine it still says
+how much of the time the stage had work (with one torch thread per worker, which computes on the
+main thread). The raw CPU / wall is reported beside it.
 """
 
 from __future__ import annotations
@@ -69,6 +76,25 @@ def allreduce_cost(rows: list[int], iters: int) -> dict[str, Any]:
     return res
 
 
+def _workers() -> list[int]:
+    """The pids of this process's engine workers (`pagebus::worker-<rank>`), by rank."""
+    import psutil
+
+    found = {}
+    for p in psutil.Process().children(recursive=True):
+        title = " ".join(p.cmdline())
+        if "pagebus::worker-" in title:
+            found[int(title.split("pagebus::worker-")[1].split()[0])] = p.pid
+    return [found[r] for r in sorted(found)]
+
+
+def _schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the process's main thread."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        run_ns, wait_ns, _ = (int(x) for x in f.read().split())
+    return run_ns / 1e9, wait_ns / 1e9
+
+
 def layout_run(
     tp: int, pp: int, prompts: list[list[int]], output_len: int, num_threads: int | None
 ) -> tuple[dict[str, Any], list[list[int]]]:
@@ -83,9 +109,16 @@ def layout_run(
     try:
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, temperature=0))  # warm
+        workers = _workers()
+        before = [_schedstat(w) for w in workers]
         t0 = time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         wall = time.monotonic() - t0
+        spent = [
+            (r1 - r0, q1 - q0) for (r0, q0), (r1, q1) in zip(before, map(_schedstat, workers), strict=True)
+        ]
+        busy = [round(run / (wall - queued), 3) for run, queued in spent]
+        cpu_share = [round(run / wall, 3) for run, _ in spent]
     finally:
         llm.shutdown()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -96,6 +129,8 @@ def layout_run(
         "startup_s": round(startup, 1),
         "output_tok_s": round(n / wall, 2),
         "wall_s": round(wall, 2),
+        "worker_busy_fraction": busy,  # by rank: on-CPU s / (wall s - s waiting for a CPU)
+        "worker_cpu_share": cpu_share,  # by rank: on-CPU s / wall s
     }
     log.info("layout %dx%d: %s", tp, pp, row)
     return row, tokens

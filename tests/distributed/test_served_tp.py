@@ -114,6 +114,12 @@ def _post(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_greedy_text_and_logprobs_equal_one_rank(server: Server, llm_fp32) -> None:
+    assert_greedy_equals_one_rank(server, llm_fp32)
+
+
+def assert_greedy_equals_one_rank(server: Server, llm_fp32: Any) -> None:
+    """The oracle prompts in one request, greedy: the text and chosen-token logprobs of an
+    in-process TP=1 engine (also used by test_served_pp.py)."""
     from pagebus import SamplingParams
 
     body = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, "ignore_eos": True}
