@@ -1,6 +1,6 @@
 """CPU time a decode step spends outside the matmuls, per backend (torch vs cpu).
 
-    python -m bench.step_overhead [--batch 1 32] [--steps 64] [--backends torch cpu]
+    python -m bench.step_overhead [--batch 1 32] [--steps 64] [--backends torch cpu] [--dtype float32]
 
 A model with SmolLM2-135M's depth (30 layers) and head structure but 64-wide layers, random
 weights: its matmuls cost next to nothing, so a step's CPU time is the ops' dispatch and the
@@ -37,11 +37,11 @@ SHAPE: dict[str, Any] = dict(
 )
 
 
-def measure(backend: str, batch: int, steps: int, prompt_len: int) -> dict[str, float]:
+def measure(backend: str, batch: int, steps: int, prompt_len: int, dtype: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         write_llama_config(d, SHAPE)
         cfg = EngineConfig(
-            model=d, load_format="dummy", dtype="float32", num_kv_blocks=1024, attention_backend=backend
+            model=d, load_format="dummy", dtype=dtype, num_kv_blocks=1024, attention_backend=backend
         )
         runner = ModelRunner(cfg, d)
     sched = Scheduler(cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"b")
@@ -72,15 +72,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--backends", nargs="+", default=["torch", "cpu"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     setup_logging()
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for batch in args.batch:
         for backend in args.backends:
-            results[f"{backend}_b{batch}"] = measure(backend, batch, args.steps, args.prompt_len)
+            results[f"{backend}_b{batch}"] = measure(backend, batch, args.steps, args.prompt_len, args.dtype)
     emit(
-        {"bench": "step_overhead", "cpu_flags": cpu_flags(), "threads": 1, "shape": SHAPE, "results": results}
+        {
+            "bench": "step_overhead",
+            "cpu_flags": cpu_flags(),
+            "threads": 1,
+            "dtype": args.dtype,
+            "shape": SHAPE,
+            "results": results,
+        }
     )
 
 

@@ -6,10 +6,11 @@ around the matmuls cost 14-17 ms of a 60 ms single-stream step on one thread. Ea
 replaces a chain of them (RMSNorm with its residual add: 6 ops; rotary: 8; SiLU-and-mul: 3;
 decode attention: 8 plus per-step index building) with one call.
 
-What runs where: float32 CPU tensors take the compiled ops (rms_norm, add_rms_norm,
-silu_and_mul, rotary, write_kv, and attention for the sequences with one query token); any
-other dtype, an fp8 cache, or a prefill chunk's attention takes the torch backend's function
-(kernels/*_cpu), which stays the reference these are tested against (tests/kernels).
+What runs where: float32 and bfloat16 CPU tensors take the compiled ops (rms_norm,
+add_rms_norm, silu_and_mul, rotary, write_kv, and attention for the sequences with one query
+token; bf16 is computed in float32 and rounded where the refs round); float16, an fp8 cache,
+or a prefill chunk's attention takes the torch backend's function (kernels/*_cpu), which stays
+the reference these are tested against (tests/kernels).
 
 The extension is compiled once per machine with -O3 -march=native -fopenmp (torch's
 cpp_extension and ninja); `make setup` builds it (`python -m pagebus.kernels.cpu_native`), and the module name
@@ -38,14 +39,17 @@ from pagebus.kernels.rotary import rotary_embedding_cpu
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-_F32 = torch.float32
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _f32(*xs: torch.Tensor) -> bool:
-    """Every tensor is a float32 CPU tensor: the compiled ops' one case. (A plain loop: this
-    runs several times a layer, and a generator costs more than the check.)"""
+def _native(*xs: torch.Tensor) -> bool:
+    """CPU tensors of one dtype, float32 or bfloat16: the compiled ops' cases. (A plain loop:
+    this runs several times a layer, and a generator costs more than the check.)"""
+    dtype = xs[0].dtype
+    if dtype not in _DTYPES:
+        return False
     for x in xs:  # noqa: SIM110
-        if x.dtype is not _F32 or not x.is_cpu:
+        if x.dtype is not dtype or not x.is_cpu:
             return False
     return True
 
@@ -90,7 +94,7 @@ def available() -> str | None:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if not _f32(x, weight, *(() if residual is None else (residual,))):
+    if not _native(x, weight, *(() if residual is None else (residual,))):
         return rms_norm_cpu(x, weight, eps, residual)
     if residual is None:
         return native_ops().rms_norm(x, weight, eps)
@@ -99,7 +103,7 @@ def rms_norm(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if not _f32(x):
+    if not _native(x):
         return silu_and_mul_cpu(x)
     return native_ops().silu_and_mul(x)
 
@@ -111,7 +115,7 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     memo: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _f32(q, k, cos_sin_cache) or not _rows(q, k):
+    if not _native(q, k) or cos_sin_cache.dtype != torch.float32 or not _rows(q, k):
         return rotary_embedding_cpu(positions, q, k, cos_sin_cache, memo=memo)
     q_out, k_out = native_ops().rotary(positions, q, k, cos_sin_cache)
     return q_out, k_out
@@ -127,7 +131,7 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    if not _f32(key, value, k_cache, v_cache) or not _rows(key, value):
+    if not _native(key, value, k_cache, v_cache) or not _rows(key, value):
         write_kv_cache_cpu(
             key, value, k_cache, v_cache, slot_mapping, memo=memo, k_scale=k_scale, v_scale=v_scale
         )
@@ -164,7 +168,7 @@ def paged_attention(
     """`paged_attention_cpu`'s contract. One-token queries run compiled, in place on the caches;
     prefill chunks go through SDPA one sequence at a time, as in the torch backend."""
     native = (
-        _f32(q, k_cache, v_cache)
+        _native(q, k_cache, v_cache)
         and k_scale == 1.0
         and v_scale == 1.0
         and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32

@@ -1,10 +1,12 @@
-// The CPU backend's fused ops (float32): each replaces a chain of small torch ops whose
+// The CPU backend's fused ops (float32 and bfloat16; bf16 values are computed in float32 and
+// rounded where the torch refs round, nearest-even): each replaces a chain of small torch ops whose
 // dispatch, not arithmetic, dominated a decode step (kernels/cpu_native.py says why and
 // when each is used). Built once per machine with -O3 -march=native; loops are written with
 // OpenMP simd reductions where a sum must be reordered to vectorize, never -ffast-math (which
 // would also assume no infinities, and attention masks with them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,19 +45,51 @@ inline float fast_exp(float x) {
   return e * two_n;
 }
 
-void check_f32(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, what, ": float32 CPU tensor expected");
+using bf16 = c10::BFloat16;
+
+inline float f32(float x) { return x; }
+inline float f32(bf16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f32(float x) {
+  return static_cast<T>(x);  // c10::BFloat16's constructor rounds to nearest even
 }
 
-// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, row by row (rms_norm_ref's order of products).
-void norm_rows(const float* x, int64_t x_stride, const float* w, float* out, int64_t rows, int64_t h,
-               float eps) {
+// float32 and bfloat16 CPU tensors, all of one dtype, are the compiled ops' cases.
+torch::ScalarType check_dtype(std::initializer_list<const torch::Tensor*> ts, const char* what) {
+  const auto st = (*ts.begin())->scalar_type();
+  for (const torch::Tensor* t : ts)
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == st &&
+                    (st == torch::kFloat32 || st == torch::kBFloat16),
+                what, ": float32 or bfloat16 CPU tensors of one dtype expected");
+  return st;
+}
+
+#define DISPATCH(st, ...)                   \
+  if ((st) == torch::kFloat32) {            \
+    using T = float;                        \
+    __VA_ARGS__;                            \
+  } else {                                  \
+    using T = bf16;                         \
+    __VA_ARGS__;                            \
+  }
+
+// Row r of `x` as float32 (bf16 widened into `buf`; float32 read in place).
+inline const float* as_f32(const float* x, int64_t, float*) { return x; }
+inline const float* as_f32(const bf16* x, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+  return buf;
+}
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps), rounded to T, times w (rms_norm_ref's order).
+template <typename T>
+void norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(static_cast<size_t>(h));
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = x + r * x_stride;
+      const float* xr = as_f32(x + r * x_stride, h, buf.data());
       const float inv = 1.0f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + eps);
-      float* o = out + r * h;
-      for (int64_t i = 0; i < h; ++i) o[i] = (xr[i] * inv) * w[i];
+      T* o = out + r * h;
+      for (int64_t i = 0; i < h; ++i) o[i] = from_f32<T>(f32(from_f32<T>(xr[i] * inv)) * f32(w[i]));
     }
   });
 }
@@ -63,23 +97,20 @@ void norm_rows(const float* x, int64_t x_stride, const float* w, float* out, int
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_f32(x, "rms_norm x");
-  check_f32(w, "rms_norm weight");
+  const auto st = check_dtype({&x, &w}, "rms_norm");
   const int64_t h = x.size(-1);
   auto x2 = x.reshape({-1, h});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   auto wc = w.contiguous();
   auto out = torch::empty({x2.size(0), h}, x.options());
-  norm_rows(x2.data_ptr<float>(), x2.stride(0), wc.data_ptr<float>(), out.data_ptr<float>(), x2.size(0), h,
-            static_cast<float>(eps));
+  DISPATCH(st, norm_rows<T>(x2.data_ptr<T>(), x2.stride(0), wc.data_ptr<T>(), out.data_ptr<T>(), x2.size(0), h,
+                            static_cast<float>(eps)));
   return out.view(x.sizes());
 }
 
 // (norm(x + residual) * w, x + residual): the decoder's pre-norm with its residual stream.
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
-  check_f32(x, "add_rms_norm x");
-  check_f32(residual, "add_rms_norm residual");
-  check_f32(w, "add_rms_norm weight");
+  const auto st = check_dtype({&x, &residual, &w}, "add_rms_norm");
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual shapes differ");
   const int64_t h = x.size(-1);
   auto x2 = x.reshape({-1, h}).contiguous();
@@ -87,34 +118,41 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   auto wc = w.contiguous();
   const int64_t rows = x2.size(0);
   auto sum = torch::empty({rows, h}, x.options());
-  const float* xp = x2.data_ptr<float>();
-  const float* rp = r2.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  at::parallel_for(0, rows * h, 1 << 14, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) sp[i] = xp[i] + rp[i];
-  });
   auto out = torch::empty({rows, h}, x.options());
-  norm_rows(sp, h, wc.data_ptr<float>(), out.data_ptr<float>(), rows, h, static_cast<float>(eps));
+  DISPATCH(st, {
+    const T* xp = x2.data_ptr<T>();
+    const T* rp = r2.data_ptr<T>();
+    T* sp = sum.data_ptr<T>();
+    at::parallel_for(0, rows * h, 1 << 14, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) sp[i] = from_f32<T>(f32(xp[i]) + f32(rp[i]));
+    });
+    norm_rows<T>(sp, h, wc.data_ptr<T>(), out.data_ptr<T>(), rows, h, static_cast<float>(eps));
+  });
   return {out.view(x.sizes()), sum.view(x.sizes())};
 }
 
-// x [T, 2d] -> silu(x[:, :d]) * x[:, d:]
+// x [T, 2d] -> silu(x[:, :d]) * x[:, d:], silu's result rounded to T before the product.
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  check_f32(x, "silu_and_mul x");
+  const auto st = check_dtype({&x}, "silu_and_mul");
   const int64_t d = x.size(-1) / 2;
   auto x2 = x.reshape({-1, 2 * d});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t rows = x2.size(0), xs = x2.stride(0);
   auto out = torch::empty({rows, d}, x.options());
-  const float* xp = x2.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* __restrict__ g = xp + r * xs;
-      const float* __restrict__ u = g + d;
-      float* __restrict__ o = op + r * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = (g[i] / (1.0f + fast_exp(-g[i]))) * u[i];
-    }
+  DISPATCH(st, {
+    const T* xp = x2.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* __restrict__ g = xp + r * xs;
+        const T* __restrict__ u = g + d;
+        T* __restrict__ o = op + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float gi = f32(g[i]);
+          o[i] = from_f32<T>(f32(from_f32<T>(gi / (1.0f + fast_exp(-gi)))) * f32(u[i]));
+        }
+      }
+    });
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = d;
@@ -122,42 +160,44 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 // NeoX rotary on q [T, h, d] and k [T, kvh, d] (any row strides, head vectors contiguous):
-// new tensors, views of one [T, h + kvh, d] buffer. cos_sin [max_pos, rot]: cos then sin.
+// new tensors, views of one [T, h + kvh, d] buffer. cos_sin [max_pos, rot] float32: cos then sin.
 std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                                   torch::Tensor cos_sin) {
-  check_f32(q, "rotary q");
-  check_f32(k, "rotary k");
-  check_f32(cos_sin, "rotary cos_sin_cache");
+  const auto st = check_dtype({&q, &k}, "rotary");
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32, "rotary: float32 cos_sin_cache expected");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64, "rotary: int64 positions expected");
-  const int64_t T = q.size(0), h = q.size(1), kvh = k.size(1), d = q.size(2);
-  TORCH_CHECK(k.size(0) == T && k.size(2) == d, "rotary: q and k shapes differ");
+  const int64_t ntok = q.size(0), h = q.size(1), kvh = k.size(1), d = q.size(2);
+  TORCH_CHECK(k.size(0) == ntok && k.size(2) == d, "rotary: q and k shapes differ");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == d && k.stride(1) == d,
               "rotary: head vectors must be contiguous");
   auto cs = cos_sin.contiguous();
   const int64_t rot = cs.size(1), half = rot / 2;
   TORCH_CHECK(rot <= d, "rotary: rotary dim exceeds head dim");
   auto pos = positions.contiguous();
-  auto out = torch::empty({T, h + kvh, d}, q.options());
+  auto out = torch::empty({ntok, h + kvh, d}, q.options());
   const int64_t* pp = pos.data_ptr<int64_t>();
   const float* csp = cs.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0);
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* __restrict__ c = csp + pp[t] * rot;
-      const float* __restrict__ s = c + half;
-      for (int64_t j = 0; j < h + kvh; ++j) {
-        const float* __restrict__ x = j < h ? qp + t * qs + j * d : kp + t * ks + (j - h) * d;
-        float* __restrict__ o = op + (t * (h + kvh) + j) * d;
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = x[i] * c[i] - x[i + half] * s[i];
-          o[i + half] = x[i + half] * c[i] + x[i] * s[i];
+  DISPATCH(st, {
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, ntok, 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* __restrict__ c = csp + pp[t] * rot;
+        const float* __restrict__ s = c + half;
+        for (int64_t j = 0; j < h + kvh; ++j) {
+          const T* __restrict__ x = j < h ? qp + t * qs + j * d : kp + t * ks + (j - h) * d;
+          T* __restrict__ o = op + (t * (h + kvh) + j) * d;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+            o[i] = from_f32<T>(x1 * c[i] - x2 * s[i]);
+            o[i + half] = from_f32<T>(x2 * c[i] + x1 * s[i]);
+          }
+          for (int64_t i = rot; i < d; ++i) o[i] = x[i];
         }
-        for (int64_t i = rot; i < d; ++i) o[i] = x[i];
       }
-    }
+    });
   });
   return {out.narrow(1, 0, h), out.narrow(1, h, kvh)};
 }
@@ -165,10 +205,7 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
 // k/v [T, kvh, d] into caches [blocks, bs, kvh, d] at slot_mapping[t] (-1: skip).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
-  check_f32(k, "write_kv k");
-  check_f32(v, "write_kv v");
-  check_f32(k_cache, "write_kv k_cache");
-  check_f32(v_cache, "write_kv v_cache");
+  check_dtype({&k, &v, &k_cache, &v_cache}, "write_kv");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64, "write_kv: int64 slot_mapping expected");
   const int64_t T = k.size(0), kvh = k.size(1), d = k.size(2), bs = k_cache.size(1);
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
@@ -177,19 +214,19 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               "write_kv: caches must hold contiguous head vectors, in one layout");
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * bs;
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), row = kvh * d;
+  const int64_t num_slots = k_cache.size(0) * bs, esize = k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), row = kvh * d * esize;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = sp[t];
     if (slot < 0) continue;
     TORCH_CHECK(slot < num_slots, "write_kv: slot ", slot, " beyond the cache's ", num_slots);
-    const int64_t off = (slot / bs) * s0 + (slot % bs) * s1;
-    std::memcpy(kc + off, kp + t * k.stride(0), row * sizeof(float));
-    std::memcpy(vc + off, vp + t * v.stride(0), row * sizeof(float));
+    const int64_t off = ((slot / bs) * s0 + (slot % bs) * s1) * esize;
+    std::memcpy(kc + off, kp + t * k.stride(0) * esize, row);
+    std::memcpy(vc + off, vp + t * v.stride(0) * esize, row);
   }
 }
 
@@ -225,54 +262,28 @@ inline void group_dots(const float* __restrict__ q, const float* __restrict__ k,
 // One work item per sequence, all its heads: a block's K (then V) rows are read in storage
 // order, every KV head of a token before the next token, and each K/V row once for the
 // query heads that share it.
-void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                      double scale) {
-  check_f32(q, "decode_attention q");
-  check_f32(out, "decode_attention out");
-  check_f32(k_cache, "decode_attention k_cache");
-  check_f32(v_cache, "decode_attention v_cache");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start_loc.scalar_type() == torch::kInt32,
-              "decode_attention: int32 block tables, lengths and query starts expected");
-  const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
-  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "decode_attention: head counts or sizes disagree");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
-              "decode_attention: head vectors must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
-              "decode_attention: caches must hold contiguous head vectors, in one layout");
-  auto bt = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  auto qsl = query_start_loc.contiguous();
-  const int64_t B = lens.size(0), width = bt.size(1), group = h / kvh;
-  const int32_t* btp = bt.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  const int32_t* qp0 = qsl.data_ptr<int32_t>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
-  const int64_t qs = q.stride(0), os = out.stride(0);
-  const float sc = static_cast<float>(scale);
-  for (int64_t b = 0; b < B; ++b)
-    if (qp0[b + 1] - qp0[b] == 1) TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "decode_attention: bad length");
+template <typename T>
+void decode_rows(float* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
+                 int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
+                 int64_t h, int64_t kvh, int64_t d, int64_t bs, float sc, T* out_t) {
+  const int64_t group = h / kvh;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scores;  // [h, L]
+    std::vector<float> scores, qbuf(static_cast<size_t>(h * d)), obuf(static_cast<size_t>(h * d)),
+        row(static_cast<size_t>(d));
     for (int64_t b = b0; b < b1; ++b) {
       if (qp0[b + 1] - qp0[b] != 1) continue;
       const int64_t t = qp0[b], L = lp[b];
       scores.resize(static_cast<size_t>(h * L));
       float* sp = scores.data();
       const int32_t* table = btp + b * width;
-      const float* qt = qp + t * qs;
+      const float* qt = as_f32(qp + t * qs, h * d, qbuf.data());  // heads adjacent
       for (int64_t j0 = 0; j0 < L; j0 += bs) {  // block by block: no division per key
         const int64_t base = table[j0 / bs] * s0, n = std::min(bs, L - j0);
         for (int64_t o = 0; o < n; ++o)
           for (int64_t g = 0; g < kvh; ++g)
-            group_dots(qt + g * group * d, kc + base + o * s1 + g * s2, group, d, sc, sp + g * group * L + j0 + o, L);
+            group_dots(qt + g * group * d, as_f32(kc + base + o * s1 + g * s2, d, row.data()), group, d, sc,
+                       sp + g * group * L + j0 + o, L);
       }
-      float* ot = op + t * os;
       for (int64_t hh = 0; hh < h; ++hh) {
         float* __restrict__ s = sp + hh * L;
         float m = -std::numeric_limits<float>::infinity();
@@ -287,12 +298,14 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 #pragma omp simd
         for (int64_t j = 0; j < L; ++j) s[j] *= inv;
       }
+      // float32 output accumulates in place; bf16 in a float buffer, rounded once at the end
+      float* ot = out_t == nullptr ? op0 + t * os : obuf.data();
       std::fill(ot, ot + h * d, 0.f);
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const int64_t base = table[j0 / bs] * s0, n = std::min(bs, L - j0);
         for (int64_t o = 0; o < n; ++o)
           for (int64_t g = 0; g < kvh; ++g) {
-            const float* __restrict__ vr = vc + base + o * s1 + g * s2;
+            const float* __restrict__ vr = as_f32(vc + base + o * s1 + g * s2, d, row.data());
             for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
               const float p = sp[hh * L + j0 + o];
               float* __restrict__ oh = ot + hh * d;
@@ -301,7 +314,46 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
             }
           }
       }
+      if (out_t != nullptr)
+        for (int64_t i = 0; i < h * d; ++i) out_t[t * os + i] = from_f32<T>(ot[i]);
     }
+  });
+}
+
+// Attention for the sequences with one query token (decodes), reading the paged caches in
+// place: out[t] for t = query_start_loc[b] of every such b; other rows are left untouched.
+// One work item per sequence, all its heads: a block's K (then V) rows are read in storage
+// order, every KV head of a token before the next token, and each K/V row once for the
+// query heads that share it. Scores, softmax and sums in float32 (the ref's upcast).
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                      double scale) {
+  const auto st = check_dtype({&out, &q, &k_cache, &v_cache}, "decode_attention");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32,
+              "decode_attention: int32 block tables, lengths and query starts expected");
+  const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "decode_attention: head counts or sizes disagree");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
+              "decode_attention: head vectors must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              "decode_attention: caches must hold contiguous head vectors, in one layout");
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  const int64_t B = lens.size(0), width = bt.size(1);
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* qp0 = qsl.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    if (qp0[b + 1] - qp0[b] == 1) TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "decode_attention: bad length");
+  const float sc = static_cast<float>(scale);
+  DISPATCH(st, {
+    const bool f = st == torch::kFloat32;
+    decode_rows<T>(f ? reinterpret_cast<float*>(out.data_ptr()) : nullptr, out.stride(0), q.data_ptr<T>(),
+                   q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
+                   k_cache.stride(1), k_cache.stride(2), btp, width, lp, qp0, B, h, kvh, d, bs, sc,
+                   f ? nullptr : out.data_ptr<T>());
   });
 }
 
