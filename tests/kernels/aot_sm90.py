@@ -59,6 +59,9 @@ def _attention_variants() -> dict[str, dict[str, int]]:
         ("prefill_fp16_mha_hd64", "fp16", 16, 16, 64, 300, 1, False),
         ("mixed_fp32_gqa8_hd80", "fp32", 8, 1, 80, 7, 2, False),
         ("decode_fp32_hd128", "fp32", 32, 8, 128, 1, 4, False),
+        # e4m3 caches (--kv-cache-dtype fp8) behind a bf16 q
+        ("decode_llama8b_bf16_fp8kv", "bf16", 32, 8, 128, 1, 2, False),
+        ("prefill_llama8b_bf16_fp8kv", "bf16", 32, 8, 128, 512, 1, False),
     ]
     # Every 16-bit case twice: native operands (the GPU default) and upcast to fp32.
     cases += [(f"{c[0]}_fp32dot", *c[1:]) for c in cases if c[1] != "fp32"]
@@ -67,15 +70,18 @@ def _attention_variants() -> dict[str, dict[str, int]]:
         t = _tiling(
             PagedAttentionOptions(), h // kvh, hd, max_q, on_gpu=True, fp32=dt == "fp32", native=native
         )
+        fp8kv = "_fp8kv" in name
         ptrs = {a: f"*{dt}" for a in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+        if fp8kv:
+            ptrs |= {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
         meta = "*i64" if "int64" in name else "*i32"  # block tables, seq lens, query starts: either
         ptrs |= {a: meta for a in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
         ptrs |= {"cu_qtiles_ptr": "*i32"}
-        ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale_log2": "fp32"}
+        ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale_log2": "fp32", "v_scale": "fp32"}
         consts: dict[str, Any] = dict(
             HEAD_DIM=hd, HEAD_PAD=t.head_pad, GROUP=h // kvh, GROUP_PAD=t.group_pad, BLOCK_M=t.block_m,
             BLOCK_N=t.block_n, PAGE_SIZE=16, NUM_SPLITS=splits, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-            NATIVE_DOT=native,
+            NATIVE_DOT=native, KV_FP8=fp8kv,
         )  # fmt: skip
         if one_seq:  # Triton specialises an int argument equal to 1 into a constant
             consts["num_seqs"] = 1
@@ -94,12 +100,18 @@ def _attention_variants() -> dict[str, dict[str, int]]:
 def _elementwise_variants() -> dict[str, dict[str, int]]:
     out = {}
     kv = {"key_ptr": "*fp32", "value_ptr": "*fp32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
-    kv_consts = dict(HEAD_DIM=128, HEADS_PAD=8, HEAD_PAD=128, PAGE_SIZE=16)
+    kv |= {"k_scale": "fp32", "v_scale": "fp32"}
+    kv_consts = dict(HEAD_DIM=128, HEADS_PAD=8, HEAD_PAD=128, PAGE_SIZE=16, FP8=False)
     out["kv_write_fp32_to_bf16"] = _compile(
         _write_kv_cache_kernel, kv | {"slot_mapping_ptr": "*i64"}, kv_consts
     )
-    kv16 = {a: "*fp16" for a in kv} | {"slot_mapping_ptr": "*i64"}
-    out["kv_write_fp16"] = _compile(_write_kv_cache_kernel, kv16, kv_consts)
+    kv16 = {a: "*fp16" for a in kv if a.endswith("_ptr")} | {"slot_mapping_ptr": "*i64"}
+    out["kv_write_fp16"] = _compile(_write_kv_cache_kernel, kv | kv16, kv_consts)
+    # an e4m3 cache: the launcher passes its bytes
+    kv8 = kv | {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
+    out["kv_write_bf16_to_fp8"] = _compile(
+        _write_kv_cache_kernel, kv8 | {"slot_mapping_ptr": "*i64"}, kv_consts | {"FP8": True}
+    )
     rms = {a: "*bf16" for a in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "new_residual_ptr")}
     rms["eps"] = "fp32"
     for res in (False, True):
