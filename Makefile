@@ -27,10 +27,11 @@ endif
 # The C++ CPU kernels (quantized matmuls; the cpu backend's fused ops), built into torch's
 # extension cache where the engine finds them; rebuilt when their source changes. Without
 # g++/ninja the engine warns and runs the same ops in torch (workers/layers/quant/cpu_kernels.py,
-# kernels/cpu_native.py).
-$(VENV)/.pagebus-kernels: workers/layers/quant/cpu_kernels.py kernels/cpu_native.py kernels/csrc/cpu_ops.cpp $(VENV)/.pagebus-setup
+# kernels/cpu_native.py, workers/layers/quant/fp8_cpu.py).
+$(VENV)/.pagebus-kernels: workers/layers/quant/cpu_kernels.py kernels/cpu_native.py kernels/csrc/cpu_ops.cpp workers/layers/quant/fp8_cpu.py $(VENV)/.pagebus-setup
 	$(PY) -m pagebus.workers.layers.quant.cpu_kernels --build || echo "quantized-weight CPU kernels not built: see above"
 	$(PY) -m pagebus.kernels.cpu_native
+	$(PY) -m pagebus.workers.layers.quant.fp8_cpu
 	touch $@
 
 serve: setup

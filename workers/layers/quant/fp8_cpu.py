@@ -8,7 +8,8 @@ the exponent (e4m3's subnormals come out right, as fp32 subnormals times 2**120)
 against chunks of 8 rows of x; a row's scale multiplies its sums. Above 32 rows W is widened once
 into a float copy for one BLAS call. Without AVX-512 the same loops run in scalar C++. Needs K a
 multiple of 16; otherwise, or when the build fails (a warning says why once), Fp8LinearMethod
-dequantizes in torch.
+dequantizes in torch. `make setup` builds it (`python -m pagebus.workers.layers.quant.fp8_cpu`);
+otherwise the first fp8 matmul does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -156,3 +158,21 @@ def fp8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
         return None
     out: torch.Tensor = ops.fp8_mm(x, w.view(torch.uint8), scale)
     return out
+
+
+def main() -> int:
+    """`python -m pagebus.workers.layers.quant.fp8_cpu`: build the kernel now (make setup runs it)."""
+    logging.basicConfig(level=logging.WARNING)
+    ops = _ops()
+    if ops is None:
+        print(
+            "pagebus fp8 CPU kernel: not built (see the warning above); fp8 matmuls dequantize in torch",
+            file=sys.stderr,
+        )
+        return 0  # not fatal: the torch path serves without it
+    print(f"pagebus fp8 CPU kernel: {ops.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
