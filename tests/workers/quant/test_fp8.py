@@ -217,3 +217,41 @@ def test_flag_and_checkpoint_resolution() -> None:
 def test_float_matrix_in_an_fp8_checkpoint_refused() -> None:
     with pytest.raises(ValueError, match="only the LM head may stay unquantized"):
         _layer(Fp8LinearMethod(serialized=True), torch.randn(96, 64))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_tensor_parallel_slices(per_channel: bool) -> None:
+    """A column-parallel rank keeps its rows (and their per-channel scales), a row-parallel rank
+    its input columns under the one per-tensor or per-row scale."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 128, generator=g)
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(48)
+    scale = amax / 448
+    q = to_fp8(w, scale[:, None])
+    deq = q.float() * scale[:, None]
+    ckpt_scale = scale.clone() if per_channel else scale[:1].reshape(())
+    x = torch.randn(3, 128, generator=g)
+    cols = Linear(128, {0: 16}, quant_method=Fp8LinearMethod(serialized=True))
+    cols.checkpoint_rows = {0: 32}
+    rows = Linear(64, {0: 48}, quant_method=Fp8LinearMethod(serialized=True))
+    rows.checkpoint_cols = 64
+    for layer in (cols, rows):
+        layer.load_weight(layer.weight, q, 0)
+        layer.weight_scale.weight_loader(layer.weight_scale, ckpt_scale, 0)
+        layer.process_after_loading()
+    torch.testing.assert_close(cols(x), x @ deq[32:48].t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows(x[:, 64:]), x[:, 64:] @ deq[:, 64:].t(), rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_2_equals_one_rank(tiny, tmp_path) -> None:
+    """TP=2 over gloo on a written fp8 checkpoint gives the single rank's greedy tokens."""
+    from tests.distributed.ranks import run_ranks
+
+    weights, src = tiny
+    quant_dir = str(tmp_path / "fp8")
+    _write_fp8_checkpoint(weights, src, quant_dir, str(tmp_path / "ref"), "dynamic")
+    prompts = {f"p{i}": (ids, 5) for i, ids in enumerate(PROMPTS[:3])}
+    single = drive_greedy(_runner(quant_dir), prompts)[0]
+    for r in run_ranks(quant_dir, 2, 1, prompts):
+        assert r.error is None, r.error
+        assert r.tokens == single
