@@ -64,6 +64,7 @@ from pagebus.workers.threads import CoreShare
 log = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+SampleOut = tuple[list[int], list[TokenLogprobs | None]]
 
 
 @dataclass
@@ -363,8 +364,6 @@ class ModelRunner:
         want: dict[str, int] = {}
         for cs in batch.cached_seqs:
             s = self.seqs[cs.seq_id]
-            if cs.new_token_ids and not self.parallel.layout.is_last_stage:
-                s.token_ids.extend(cs.new_token_ids)  # sampled by the last stage (see CachedSeq)
             if 0 <= cs.block_offset < len(s.block_ids):  # blocks of rejected drafts, freed
                 del s.block_ids[cs.block_offset :]
             if cs.new_block_ids:
@@ -385,13 +384,6 @@ class ModelRunner:
                 self.seqs[seq_id].token_ids.extend(drafts)  # verified below, then cut back
         step = self._prepare(scheduled)
         logits = self._run(step)
-        if not self.parallel.layout.is_last_stage:
-            # Activations went on to the next stage; the tokens come with a later step's plan, so
-            # this stage is free for the next step at once (scheduler/virtual.py).
-            for seq_id, drafts in self._drafts.items():
-                if drafts:
-                    del self.seqs[seq_id].token_ids[-len(drafts) :]
-            return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
         if self._drafts:
             return self._verify(batch.step_id, logits, step.sampling)
         tokens, logprobs = self._sample(logits, step.sampling)
@@ -514,8 +506,19 @@ class ModelRunner:
         self, logits: torch.Tensor, sampling: list[str]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         if all(_plain_greedy(self.seqs[i]) for i in sampling):
-            return self._greedy_ids(logits), [None] * len(sampling)
-        return self.sampler(logits, [self._sample_row(i) for i in sampling])
+            return self._from_last_stage(lambda: (self._greedy_ids(logits), [None] * len(sampling)))
+        return self._from_last_stage(lambda: self.sampler(logits, [self._sample_row(i) for i in sampling]))
+
+    def _from_last_stage(self, sample: Callable[[], SampleOut]) -> SampleOut:
+        """What the last pipeline stage sampled, on every rank (each keeps its sequences' tokens
+        for the next step's inputs). Tensor-parallel ranks of one stage all hold the gathered
+        logits and sample them alike, so without stages there is nothing to send."""
+        if self.parallel.layout.pp_size == 1:
+            return sample()
+        out: SampleOut = self.parallel.broadcast_object(
+            sample() if self.parallel.layout.is_last_stage else None
+        )
+        return out
 
     def _verify(self, step_id: int, logits: torch.Tensor, sampling: list[str]) -> BatchResult:
         """Sample every verified position (1 + k logits rows per drafting seq) and keep each
@@ -530,9 +533,9 @@ class ModelRunner:
             )
         lps: list[TokenLogprobs | None]
         if all(_plain_greedy_row(r) for r in rows):
-            sampled, lps = self._greedy_ids(logits), [None] * len(rows)
+            sampled, lps = self._from_last_stage(lambda: (self._greedy_ids(logits), [None] * len(rows)))
         else:
-            sampled, lps = self.sampler(logits, rows)
+            sampled, lps = self._from_last_stage(lambda: self.sampler(logits, rows))
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         counts: list[int] = []

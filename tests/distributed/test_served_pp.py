@@ -1,7 +1,6 @@
-"""`pagebus serve -pp 2` on the default model (fp32, two stages of 15 layers over gloo): up to two
-steps in flight, each over one virtual engine's sequences (scheduler/virtual.py), and the greedy
-text and logprobs of the 8 oracle prompts (spread over both engines) equal one in-process rank's.
-Each stage runs its own KV layers and the scheduler keeps the smaller block count."""
+"""`pagebus serve -pp 2` on the default model (fp32, two stages of 15 layers over gloo, activations
+sent point to point): the greedy text and logprobs of the 8 oracle prompts equal one in-process
+rank's, each stage holds its own layers, and /metrics names the layout."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ def server() -> Iterator[Server]:
         yield s
 
 
-def test_two_steps_in_flight_give_one_rank_s_greedy_text(server: Server, llm_fp32) -> None:
+def test_pp2_gives_one_rank_s_greedy_text_and_logprobs(server: Server, llm_fp32) -> None:
     assert_greedy_equals_one_rank(server, llm_fp32)
     layout = re.findall(
         r"layout: rank (\d)/2 \(tp 0/1, pp (\d)/2\) on cpu: layers (\d+)-(\d+) of 30", server.log()

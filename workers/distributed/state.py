@@ -34,6 +34,7 @@ class Parallel:
 
     layout: Layout
     tp_group: Any = None  # dist.ProcessGroup of this stage's ranks
+    cpu_group: Any = None  # gloo group over every rank, for small host-side objects
 
     @property
     def tp_size(self) -> int:
@@ -69,6 +70,14 @@ class Parallel:
         for t in like:
             dist.recv(t, src)
         return like
+
+    def broadcast_object(self, obj: object) -> Any:
+        """The result rank's `obj` on every rank (others pass None)."""
+        if self.layout.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.layout.result_rank, group=self.cpu_group)
+        return box[0]
 
 
 SINGLE = Parallel(Layout())
@@ -111,8 +120,9 @@ def init_distributed(layout: Layout, master_addr: str, master_port: int, device:
         g = dist.new_group(ranks, timeout=timeout)
         if stage == layout.pp_rank:
             tp_group = g
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     log.info("joined %s process group: %s", backend, layout.describe())
-    return Parallel(layout, tp_group)
+    return Parallel(layout, tp_group, cpu_group)
 
 
 def destroy() -> None:
