@@ -357,7 +357,148 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
+
+// ---------------------------------------------------------------- float32 matmul on column tiles
+// W [N, K] is held as [N / kTile, K, kTile]: each tile's K rows of kTile output columns are one
+// contiguous run, so a tile streams from memory in order and the next tile can be prefetched
+// while the current one is reused from cache by later row blocks of x.
+constexpr int64_t kTileVecs = 3, kTile = 16 * kTileVecs, kRowBlock = 8;
+
+torch::Tensor pack_tiles(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % kTile == 0, "pack_tiles: [N, K] with N a multiple of ", kTile);
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.reshape({N / kTile, kTile, K}).transpose(1, 2).contiguous();
+}
+
+#ifdef __AVX512F__
+// y[r, 0:kTile] = x[r, :] . tile for r < MR; `pf` (if set): one row of the next tile to
+// prefetch per k, `pf_rows` of them.
+template <int MR>
+static inline void tile_rows(const float* __restrict__ x, int64_t ldx, const float* __restrict__ w,
+                             float* __restrict__ y, int64_t ldy, int64_t K, const float* pf, int64_t pf_rows) {
+  __m512 acc[MR][kTileVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (k < pf_rows) {
+      const char* p = reinterpret_cast<const char*>(pf + k * kTile);
+      _mm_prefetch(p, _MM_HINT_T1);
+      _mm_prefetch(p + 64, _MM_HINT_T1);
+      _mm_prefetch(p + 128, _MM_HINT_T1);
+    }
+    __m512 wv[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) wv[v] = _mm512_loadu_ps(w + k * kTile + 16 * v);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kTileVecs; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+}
+
+// Up to 4 rows of x against two tiles at once: two independent streams from memory, for the
+// GEMV-like calls (decode of one or a few sequences) that wait on DRAM, not on FMAs.
+template <int MR>
+static inline void two_tiles(const float* __restrict__ x, int64_t ldx, const float* __restrict__ wa,
+                             const float* __restrict__ wb, float* __restrict__ ya, float* __restrict__ yb,
+                             int64_t ldy, int64_t K) {
+  __m512 acc[MR][2 * kTileVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[2 * kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) {
+      wv[v] = _mm512_loadu_ps(wa + k * kTile + 16 * v);
+      wv[kTileVecs + v] = _mm512_loadu_ps(wb + k * kTile + 16 * v);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kTileVecs; ++v) {
+      _mm512_storeu_ps(ya + r * ldy + 16 * v, acc[r][v]);
+      _mm512_storeu_ps(yb + r * ldy + 16 * v, acc[r][kTileVecs + v]);
+    }
+}
+
+static void few_rows(int64_t m, const float* x, int64_t ldx, const float* wa, const float* wb, float* ya, float* yb,
+                     int64_t ldy, int64_t K) {
+  switch (m) {
+#define ROWS(R)                                          \
+  case R:                                                \
+    two_tiles<R>(x, ldx, wa, wb, ya, yb, ldy, K);        \
+    break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#undef ROWS
+  }
+}
+
+static void row_block(int64_t m, const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t K,
+                      const float* pf, int64_t pf_rows) {
+  switch (m) {
+#define ROWS(R)                                          \
+  case R:                                                \
+    tile_rows<R>(x, ldx, w, y, ldy, K, pf, pf_rows);     \
+    break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+  }
+}
+#endif
+
+// x [M, K] (rows contiguous) times tiles [N / kTile, K, kTile] -> [M, N]. Row blocks of 8 go
+// through FMAs against a tile held in cache; while a tile's blocks run, the next tile is
+// prefetched a slice per block, so reading W overlaps the arithmetic on the one before.
+torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
+  check_dtype({&x, &tiles}, "linear_tiles");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear_tiles: float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiles.dim() == 3 && tiles.size(2) == kTile &&
+                  tiles.size(1) == x.size(1) && tiles.is_contiguous(),
+              "linear_tiles: x [M, K] with contiguous rows and tiles [N / ", kTile, ", K, ", kTile, "] expected");
+  const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0), N = NT * kTile, ldx = x.stride(0);
+  auto y = torch::empty({M, N}, x.options());
+#ifdef __AVX512F__
+  const float* xp = x.data_ptr<float>();
+  const float* w = tiles.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M <= 4) {  // pairs of tiles (t, t + half): two streams; an odd count's last tile alone
+    const int64_t half = NT / 2;
+    at::parallel_for(0, half + NT % 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        if (p < half)
+          few_rows(M, xp, ldx, w + p * K * kTile, w + (p + half) * K * kTile, yp + p * kTile, yp + (p + half) * kTile,
+                   N, K);
+        else
+          row_block(M, xp, ldx, w + (NT - 1) * K * kTile, yp + (NT - 1) * kTile, N, K, nullptr, 0);
+      }
+    });
+    return y;
+  }
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock, slice = (K + blocks - 1) / blocks;
+  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* wt = w + t * K * kTile;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = b * slice, rows = t + 1 < t1 ? std::max<int64_t>(0, std::min(slice, K - k0)) : 0;
+        row_block(std::min(kRowBlock, M - b * kRowBlock), xp + b * kRowBlock * ldx, ldx, wt,
+                  yp + b * kRowBlock * N + t * kTile, N, K, wt + K * kTile + k0 * kTile, rows);
+      }
+    }
+  });
+#else
+  // Without AVX-512 (the Python side does not pack there; kept so the module always builds).
+  y.copy_(at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, N}));
+#endif
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("TILE") = kTile;
+  m.def("pack_tiles", &pack_tiles, "[N, K] -> [N / TILE, K, TILE]");
+  m.def("linear_tiles", &linear_tiles, "x [M, K] times column tiles -> [M, N]");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual, and the sum");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
