@@ -1,9 +1,10 @@
 """Tensor and pipeline parallelism: output tok/s and start-up time per layout, and the cost of one
 all-reduce at the model's hidden size. Prints ONE JSON object; logs to stderr.
 
-    python -m bench.parallel [--layouts 1x1 2x1 1x2 --requests 8 --output-len 32]
+    python -m bench.parallel [--layouts 1x1 2x1 1x2 1x2:2 --requests 8 --output-len 32]
 
-A layout is TPxPP. Each layout starts the multi-process engine (one worker process per rank),
+A layout is TPxPP, or TPxPP:D for D pipeline steps in flight (pipeline_steps_in_flight; without
+it the engine's default: PP on GPUs, 1 on CPUs), so `1x2:1 1x2:2` is the depth A/B, interleaved. Each layout starts the multi-process engine (one worker process per rank),
 warms it with one request, then times `generate` on the same greedy requests; the outputs of
 every layout must equal the first layout's. The all-reduce timing runs two gloo ranks on the
 loopback (NCCL ranks on CUDA when two GPUs exist) reducing [rows, hidden] float32 tensors, the
@@ -95,15 +96,25 @@ def _schedstat(pid: int) -> tuple[float, float]:
     return run_ns / 1e9, wait_ns / 1e9
 
 
+def parse_layout(spec: str) -> tuple[int, int, int | None]:
+    """(tp, pp, steps in flight or None for the default) of "TPxPP" or "TPxPP:D"."""
+    shape, _, depth = spec.partition(":")
+    tp, _, pp = shape.partition("x")
+    try:
+        return int(tp), int(pp), int(depth) if depth else None
+    except ValueError:
+        raise SystemExit(f"layout {spec!r}: expected TPxPP or TPxPP:D, e.g. 2x1 or 1x2:2") from None
+
+
 def layout_run(
-    tp: int, pp: int, prompts: list[list[int]], output_len: int, num_threads: int | None
+    tp: int, pp: int, depth: int | None, prompts: list[list[int]], output_len: int, num_threads: int | None
 ) -> tuple[dict[str, Any], list[list[int]]]:
     from pagebus import LLM, SamplingParams
 
     t0 = time.monotonic()
     llm = LLM(
         dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, multiprocess=True, seed=0,
-        num_threads=num_threads,
+        num_threads=num_threads, pipeline_steps_in_flight=depth,
     )  # fmt: skip
     startup = time.monotonic() - t0
     try:
@@ -126,19 +137,22 @@ def layout_run(
     row = {
         "tp": tp,
         "pp": pp,
+        "steps_in_flight": depth if depth is not None else "auto",
         "startup_s": round(startup, 1),
         "output_tok_s": round(n / wall, 2),
         "wall_s": round(wall, 2),
         "worker_busy_fraction": busy,  # by rank: on-CPU s / (wall s - s waiting for a CPU)
         "worker_cpu_share": cpu_share,  # by rank: on-CPU s / wall s
     }
-    log.info("layout %dx%d: %s", tp, pp, row)
+    log.info("layout %dx%d depth %s: %s", tp, pp, depth or "auto", row)
     return row, tokens
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP")
+    ap.add_argument(
+        "--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP[:D], D = pipeline steps in flight"
+    )
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
@@ -158,8 +172,8 @@ def main() -> None:
     rows, first = [], None
     for rnd in range(args.rounds):
         for spec in args.layouts:
-            tp, pp = (int(x) for x in spec.split("x"))
-            row, tokens = layout_run(tp, pp, prompts, args.output_len, args.num_threads)
+            tp, pp, depth = parse_layout(spec)
+            row, tokens = layout_run(tp, pp, depth, prompts, args.output_len, args.num_threads)
             if first is None:
                 first = tokens
             row["round"] = rnd

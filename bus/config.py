@@ -69,6 +69,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_threads: int | None = None  # torch intra-op threads in the worker; None: torch's default
     tensor_parallel_size: int = 1  # ranks that split every layer (one worker process each)
     pipeline_parallel_size: int = 1  # contiguous layer stages; workers = tensor x pipeline
+    # Steps in the pipeline at once, one per virtual engine (scheduler/virtual.py), 1..pipeline_
+    # parallel_size. None: pipeline_parallel_size on GPUs, 1 on CPUs (see steps_in_flight).
+    pipeline_steps_in_flight: int | None = None
     # Several machines (vLLM's names): node 0 serves, the others run only their share of the
     # workers; all derive the rendezvous and bus endpoints from master_addr:master_port (bus/nodes.py).
     nnodes: int = 1
@@ -114,6 +117,12 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.max_num_seqs > 0, "max_num_seqs must be positive")
     need(cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
     need(cfg.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
+    depth, pp = cfg.pipeline_steps_in_flight, cfg.pipeline_parallel_size
+    need(
+        depth is None or 1 <= depth <= pp,
+        f"pipeline_steps_in_flight must be in 1..pipeline_parallel_size ({pp}), got {depth}; "
+        "leave it unset for the device's default",
+    )
     world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     need(cfg.nnodes >= 1 and 0 <= cfg.node_rank < cfg.nnodes, "need nnodes >= 1 and 0 <= node_rank < nnodes")
     need(
@@ -171,6 +180,16 @@ def request_limits(cfg: EngineConfig, num_kv_blocks: int) -> RequestLimits:
         max_prompts=cfg.max_prompts_per_request,
         max_tokens=cfg.max_request_tokens or cache_tokens,
     )
+
+
+def steps_in_flight(cfg: EngineConfig, device: str) -> int:
+    """The pipeline depth in force on workers of `device` ("cpu", "cuda", "cuda:1"); the scheduler
+    and every worker derive it alike. Auto is one step per stage only on GPUs: on the CPU the
+    stages share the cores, and two busy stages were measured slower than one step at a time
+    (README, Tensor and pipeline parallelism)."""
+    if cfg.pipeline_steps_in_flight is not None:
+        return cfg.pipeline_steps_in_flight
+    return cfg.pipeline_parallel_size if device.startswith("cuda") else 1
 
 
 def cuda_graph_batch_sizes(cfg: EngineConfig) -> list[int]:

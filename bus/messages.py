@@ -138,6 +138,10 @@ class CachedSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # new_block_ids go from this column on; the worker drops any it held there (the scheduler
     # freed the blocks of rejected drafts). -1: append.
     block_offset: int = -1
+    # Pipeline parallelism: the tokens sampled since the worker last saw this sequence. Only the
+    # last stage samples; the stages before it learn the tokens here, so none of them waits for
+    # the last stage at the end of a step (several steps can be in flight). Empty without stages.
+    new_token_ids: list[int] = []
 
 
 class ExecuteBatch(msgspec.Struct, array_like=True, gc=False, frozen=True, tag="exec", tag_field="t"):

@@ -22,6 +22,8 @@ _HELP = {
     "kv_cache_dtype": "auto: the model dtype; fp8/fp8_e4m3: e4m3 cache, half the bytes of bf16",
     "tensor_parallel_size": "worker processes that each hold 1/N of every layer",
     "pipeline_parallel_size": "contiguous layer stages, one worker group each",
+    "pipeline_steps_in_flight": "steps in the pipeline at once, 1..pipeline-parallel-size; "
+    "default: pipeline-parallel-size on GPUs, 1 on CPUs (stages share the cores there)",
     "distributed_executor_backend": "mp: worker processes on this machine; ray: actors on a running Ray cluster",
     "ray_address": "Ray cluster to join with --distributed-executor-backend ray (default: RAY_ADDRESS, else the local one)",
 }

@@ -6,6 +6,8 @@
 It spawns the workers itself: it writes their ring and must notice a dead worker at once, so it
 holds their sentinels. Idle, it blocks in one zmq.Poller (inputs, results, sentinels): ~0% CPU.
 Any worker death or fatal error sends EngineDead to every pool and exits non-zero.
+With `-pp M` and M steps in flight (bus/config.py steps_in_flight) it plans a step of each idle
+virtual engine (scheduler/virtual.py) before waiting for the oldest result.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import multiprocessing.connection
 import os
 import socket
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 from pagebus.bus.codec import Codec, pack_frames
-from pagebus.bus.config import EngineConfig
+from pagebus.bus.config import EngineConfig, steps_in_flight
 from pagebus.bus.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -46,6 +49,7 @@ from pagebus.bus.proc import Child, StartupError, shutdown, spawn, wait_ready
 from pagebus.bus.shm import ShmRingWriter
 from pagebus.bus.sockets import Channel, make_socket
 from pagebus.scheduler.scheduler import Scheduler
+from pagebus.scheduler.virtual import VirtualEngines
 
 if TYPE_CHECKING:
     from pagebus.bus.ray_executor import RayWorkers
@@ -128,7 +132,13 @@ def scheduler_main(
             hs.send(StartupFailed(role=role, rank=rank, reason=str(e)))
             raise
         f0 = _model_facts(ready, world, cfg.tensor_parallel_size)
-        sched = Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id)
+        depth = steps_in_flight(cfg, f0.device)  # as every worker derives it from its device
+        log.info("pipeline steps in flight: %d", depth)
+        sched: Scheduler | VirtualEngines = (
+            VirtualEngines(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id, depth)
+            if depth > 1
+            else Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id)
+        )
         inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
         pids = [p.pid or 0 for p in workers]
         hs.send(Ready(role="scheduler", rank=0, model=f0, worker_pids=pids))
@@ -225,7 +235,7 @@ class _Steps:
 class _Loop:
     def __init__(
         self,
-        sched: Scheduler,
+        sched: Scheduler | VirtualEngines,
         ring: _Steps,
         results: Channel,
         inbound: zmq.Socket[Any],
@@ -233,6 +243,10 @@ class _Loop:
         workers: Sequence[Child],
     ) -> None:
         self.sched, self.ring, self.results, self.inbound = sched, ring, results, inbound
+        # Steps sent and not yet answered, oldest first: at most one per virtual engine. The last
+        # stage runs them in order, so results come back in this order.
+        self.in_flight: deque[ExecuteBatch] = deque()
+        self.depth = len(sched.engines) if isinstance(sched, VirtualEngines) else 1
         self.outs, self.workers = outs, workers
         self.codec = Codec()
         self.origin: dict[str, bytes] = {}  # request id -> the pool that owns it
@@ -248,7 +262,7 @@ class _Loop:
 
     def run(self) -> None:
         while not self.stopping:
-            busy = self.sched.has_unfinished() or bool(self.pending)
+            busy = self.sched.has_unfinished() or bool(self.pending) or bool(self.in_flight)
             if self.draining and not busy:
                 log.info("drained; exiting")
                 return
@@ -263,7 +277,7 @@ class _Loop:
             if s in events:
                 p.join(1.0)
                 raise EngineFatal(p.describe_death())
-        if self.results.sock in events:
+        if self.results.sock in events and not self.in_flight:  # else _wait_result reads it
             msg = self.results.recv_now()
             if isinstance(msg, WorkerFailed):
                 raise self._failure(msg)
@@ -309,9 +323,14 @@ class _Loop:
 
     def _step(self) -> None:
         updates, self.pending = self.pending, []
-        batch = self.sched.schedule()
+        while len(self.in_flight) < self.depth:
+            planned = self.sched.schedule()
+            if planned is None:
+                break
+            self.ring.write(pack_frames(self.codec.encode(planned)), timeout_s=RING_TIMEOUT_S)
+            self.in_flight.append(planned)
+        batch = self.in_flight.popleft() if self.in_flight else None
         if batch is not None:
-            self.ring.write(pack_frames(self.codec.encode(batch)), timeout_s=RING_TIMEOUT_S)
             updates.extend(self.sched.update(batch, self._wait_result(batch)))
         if updates:
             self._send(updates)

@@ -55,12 +55,19 @@ class Scheduler:
         max_model_len: int,
         eos_token_id: int | None,
         hash_seed: bytes | None = None,
+        block_pool: BlockPool | None = None,
+        virtual_engine: tuple[int, int] = (0, 1),
     ) -> None:
+        """`block_pool` and `virtual_engine` (index, count): one of several schedulers that share
+        the KV blocks and keep a step each in flight through a pipeline (scheduler/virtual.py);
+        step ids interleave so they stay unique."""
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = block_pool or BlockPool(num_blocks)
+        self._engine, self._num_engines = virtual_engine
+        self._send_tokens = self._num_engines > 1  # CachedSeq.new_token_ids (one step: none)
         self.max_request_tokens = request_limits(cfg, num_blocks).max_tokens
         # A random root per start: nobody can precompute prompts that collide in our cache.
         self.root = root_hash(os.urandom(32) if hash_seed is None else hash_seed)
@@ -378,11 +385,15 @@ class Scheduler:
                 new_ids = [b.block_id for b in seq.blocks[seq.num_sent_blocks :]]
                 offset = seq.num_sent_blocks
                 spec = seq.spec_token_ids
-                cached_seqs.append(CachedSeq(seq.seq_id, new_ids, seq.num_computed_tokens, n, spec, offset))
+                toks = seq.token_ids[seq.num_sent_tokens :] if self._send_tokens else []
+                cached_seqs.append(
+                    CachedSeq(seq.seq_id, new_ids, seq.num_computed_tokens, n, spec, offset, toks)
+                )
             seq.num_sent_blocks = len(seq.blocks)
+            seq.num_sent_tokens = seq.num_tokens
         self._num_steps += 1
         batch = ExecuteBatch(
-            step_id=self._num_steps,
+            step_id=self._num_steps * self._num_engines + self._engine,
             new_seqs=new_seqs,
             cached_seqs=cached_seqs,
             finished_seq_ids=self._dropped,

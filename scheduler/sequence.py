@@ -37,6 +37,7 @@ class Sequence:
         "num_computed_tokens",
         "num_registered_blocks",
         "num_sent_blocks",
+        "num_sent_tokens",
         "num_spec_tokens",
         "params",
         "prompt_len",
@@ -76,6 +77,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.known_to_worker = False  # the worker holds our state: send deltas, drop when done
         self.num_sent_blocks = 0  # block ids the worker already has
+        self.num_sent_tokens = 0  # token ids every worker already has (pipeline stages: see CachedSeq)
         # Drafts scheduled this step after the one real token (n-gram ids; a draft model's
         # worker proposes its own, so only the count); reset by the step's update.
         self.num_spec_tokens = 0
@@ -116,6 +118,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.known_to_worker = False
         self.num_sent_blocks = 0
+        self.num_sent_tokens = 0
         self.num_spec_tokens = 0
         self.spec_token_ids = []
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from pagebus.bus.config import EngineConfig, cuda_graph_batch_sizes
+from pagebus.bus.config import EngineConfig, cuda_graph_batch_sizes, steps_in_flight
 from pagebus.bus.messages import BatchResult, ExecuteBatch, SamplingParams, TokenLogprobs
 from pagebus.kernels.fp8 import check_kv_cache_support, is_fp8, kv_cache_dtype
 from pagebus.workers.cuda_graphs import DecodeGraphs
@@ -153,6 +153,9 @@ class ModelRunner:
         self.parallel = parallel or SINGLE  # this rank's share of the model and its groups
         self.device = pick_device(cfg, rank)
         self.dtype = pick_dtype(cfg, self.device)
+        # Several steps in flight (scheduler/virtual.py): a stage before the last returns once its
+        # activations are sent and learns the sampled tokens from later plans (CachedSeq.new_token_ids).
+        self.tokens_from_plan = steps_in_flight(cfg, self.device.type) > 1
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.set_device(self.device)
@@ -364,6 +367,8 @@ class ModelRunner:
         want: dict[str, int] = {}
         for cs in batch.cached_seqs:
             s = self.seqs[cs.seq_id]
+            if cs.new_token_ids and not self.parallel.layout.is_last_stage:
+                s.token_ids.extend(cs.new_token_ids)  # sampled by the last stage (see CachedSeq)
             if 0 <= cs.block_offset < len(s.block_ids):  # blocks of rejected drafts, freed
                 del s.block_ids[cs.block_offset :]
             if cs.new_block_ids:
@@ -384,6 +389,13 @@ class ModelRunner:
                 self.seqs[seq_id].token_ids.extend(drafts)  # verified below, then cut back
         step = self._prepare(scheduled)
         logits = self._run(step)
+        if self.tokens_from_plan and not self.parallel.layout.is_last_stage:
+            # Activations went on to the next stage; the tokens come with a later step's plan, so
+            # this stage is free for the next step at once.
+            for seq_id, drafts in self._drafts.items():
+                if drafts:
+                    del self.seqs[seq_id].token_ids[-len(drafts) :]
+            return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
         if self._drafts:
             return self._verify(batch.step_id, logits, step.sampling)
         tokens, logprobs = self._sample(logits, step.sampling)
@@ -512,8 +524,9 @@ class ModelRunner:
     def _from_last_stage(self, sample: Callable[[], SampleOut]) -> SampleOut:
         """What the last pipeline stage sampled, on every rank (each keeps its sequences' tokens
         for the next step's inputs). Tensor-parallel ranks of one stage all hold the gathered
-        logits and sample them alike, so without stages there is nothing to send."""
-        if self.parallel.layout.pp_size == 1:
+        logits and sample them alike, so without stages there is nothing to send; with several
+        steps in flight only the last stage gets here, and earlier ones learn the tokens later."""
+        if self.parallel.layout.pp_size == 1 or self.tokens_from_plan:
             return sample()
         out: SampleOut = self.parallel.broadcast_object(
             sample() if self.parallel.layout.is_last_stage else None

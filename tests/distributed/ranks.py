@@ -1,6 +1,8 @@
 """Runs one ModelRunner per rank in spawned processes joined by gloo, drives the same greedy
 requests through each rank's own Scheduler (deterministic, so every rank plans the same steps),
-and returns what each rank saw."""
+and returns what each rank saw. With pipeline_steps_in_flight > 1 only the last stage samples
+(earlier stages learn the tokens from the next plan), so the result rank's BatchResult is
+broadcast to every rank's schedulers here, standing in for the one scheduler a served engine has."""
 
 from __future__ import annotations
 
@@ -47,7 +49,17 @@ def _rank_main(
         layout = Layout(tp, pp, rank)
         parallel = init_distributed(layout, "127.0.0.1", port, torch.device("cpu"))
         runner = ModelRunner(EngineConfig(**cfg_kw), path, rank, parallel)
-        tokens = drive_greedy(runner, prompts)[0]
+        depth = cfg_kw.get("pipeline_steps_in_flight") or 1
+        if depth > 1:
+            execute = runner.execute
+
+            def shared_result(batch: Any) -> Any:
+                box = [execute(batch)]
+                torch.distributed.broadcast_object_list(box, src=layout.result_rank)
+                return box[0]
+
+            runner.execute = shared_result  # type: ignore[method-assign]
+        tokens = drive_greedy(runner, prompts, engines=depth)[0]
         first = next(iter(prompts.values()))[0]
         logits = runner.prompt_logits(first, list(range(1, 1 + -(-len(first) // runner.block_size))))
         held = [i for i in layout.layers(runner.model_config.num_layers)]

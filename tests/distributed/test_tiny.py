@@ -62,13 +62,14 @@ def test_tp2_with_one_kv_head_equals_one_rank(tiny: str, single) -> None:
         assert 0.45 < r.weight_bytes / nbytes < 0.56, (r.weight_bytes, nbytes)
 
 
-def test_tp2_x_pp2_equals_one_rank(tiny: str, single) -> None:
+@pytest.mark.parametrize("depth", [1, 2], ids=["one_step", "steps_in_flight"])
+def test_tp2_x_pp2_equals_one_rank(tiny: str, single, depth: int) -> None:
     tokens, logits, _ = single
-    ranks = run_ranks(tiny, 2, 2, PROMPTS)
+    ranks = run_ranks(tiny, 2, 2, PROMPTS, pipeline_steps_in_flight=depth)
     assert [r.error for r in ranks] == [None] * 4, [r.error for r in ranks]
     assert [r.layers for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for r in ranks:
-        assert r.tokens == tokens  # earlier stages learn the tokens from the last
+        assert r.tokens == tokens  # earlier stages learn the tokens from the last, or from the plan
     for r in ranks[2:]:
         np.testing.assert_allclose(r.logits, logits, atol=LOGITS_ATOL, rtol=0)
     assert ranks[0].logits is None and ranks[1].logits is None

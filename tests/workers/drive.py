@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from pagebus.bus.messages import AddRequest, SamplingParams
 from pagebus.scheduler.scheduler import Scheduler
+from pagebus.scheduler.virtual import VirtualEngines
 from pagebus.workers.runner import ModelRunner
 
 
 def drive_greedy(
-    runner: ModelRunner, prompts: dict[str, tuple[list[int], int]]
-) -> tuple[dict[str, list[int]], Scheduler]:
+    runner: ModelRunner, prompts: dict[str, tuple[list[int], int]], engines: int = 1
+) -> tuple[dict[str, list[int]], Scheduler | VirtualEngines]:
     """prompts: request id -> (prompt ids, max_tokens). Returns each request's output ids and
-    the scheduler (for its stats) once every request has finished."""
-    sched = Scheduler(runner.cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"t")
+    the scheduler (for its stats) once every request has finished. `engines` > 1: the virtual
+    engines of a pipeline with steps in flight, whose plans carry the sampled tokens to earlier
+    stages (here one step at a time: each stage's worker is the same either way)."""
+    sched: Scheduler | VirtualEngines = (
+        VirtualEngines(runner.cfg, runner.num_blocks, runner.max_model_len, None, engines, hash_seed=b"t")
+        if engines > 1
+        else Scheduler(runner.cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"t")
+    )
     for rid, (ids, n) in prompts.items():
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         assert not sched.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, params=params))
