@@ -15,8 +15,9 @@ from typing import Any, Final
 import msgspec
 
 # 2: typed Ready, StartupFailed, AbortRequest.samples; 3: speculative decoding (CachedSeq,
-# BatchResult and SchedulerStats fields); 4: ModelFacts.startup_phases
-PROTOCOL_VERSION: Final[int] = 4
+# BatchResult and SchedulerStats fields); 4: ModelFacts.startup_phases; 5: CachedSeq.new_token_ids
+# (pipeline steps in flight)
+PROTOCOL_VERSION: Final[int] = 5
 
 # Ids are plain strings/ints on the wire; the aliases document intent.
 RequestId = str
