@@ -76,5 +76,5 @@ def test_gguf_quantization_needs_a_gguf_file() -> None:
         select.resolve("gguf", is_gguf=False)
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
         select.resolve("bitsandbytes", is_gguf=True)
-    with pytest.raises(ValueError, match="--quantization awq needs a checkpoint whose config.json"):
+    with pytest.raises(ValueError, match=r"--quantization awq needs a checkpoint whose config\.json"):
         select.resolve("awq", is_gguf=True)  # a GGUF file has no quantization_config
