@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,41 @@ def paged_attention(
     return out
 
 
+def qkv_decode_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Rotary, the cache write and decode attention from the fused QKV output [T, (h + 2 kvh) d]
+    in one compiled call -> [T, h d]; None (the caller runs the separate ops) where that call
+    does not apply: a query of several tokens, a cache or dtype the compiled ops do not take."""
+    if not (
+        _native(qkv, k_cache, v_cache)
+        and cos_sin_cache.dtype is torch.float32
+        and qkv.stride(1) == 1
+        and k_cache.stride(3) == 1
+        and k_cache.stride() == v_cache.stride()
+        and block_tables.dtype is torch.int32
+        and seq_lens.dtype is torch.int32
+        and query_start_loc.dtype is torch.int32
+        and query_start_loc.shape[0] == qkv.shape[0] + 1
+    ):
+        return None
+    return native_ops().qkv_decode_attention(
+        qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        block_tables, seq_lens, query_start_loc, scale,
+    )  # fmt: skip
+
+
 # float32 weights on CPUs, held as column tiles (see csrc/cpu_ops.cpp, linear_tiles). Measured
 # on the default model's layer shapes, one thread, cold weights, against F.linear on the
 # [in, out] layout: 5-160 rows, the tile kernel 1.3-1.7x (32 rows: 84 vs 112 ms for 30 layers;
@@ -238,6 +274,23 @@ def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         y = y.add_(bias)
     return y.view(*x.shape[:-1], num_tiles * tile)
+
+
+def direct_linear_tiles(
+    tiles: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear_tiles(x, tiles, bias)` for 2-D x, with the common case (rows in _TILE_ROWS,
+    contiguous, no bias) one compiled call."""
+    if bias is not None:
+        return lambda x: linear_tiles(x, tiles, bias)
+    kernel = native_ops().linear_tiles
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] in _TILE_ROWS and x.is_contiguous():
+            return kernel(x, tiles)
+        return linear_tiles(x, tiles)
+
+    return call
 
 
 def embed_tiles(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,28 @@ class Ops:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # rotary + cache write + attention in one call, for steps of decodes only; None: none
+    qkv_decode_attention: Callable[..., torch.Tensor | None] | None = None
+
+    def fused_decode_attention(
+        self,
+        qkv: torch.Tensor,
+        fb: ForwardBatch,
+        layer: int,
+        heads: tuple[int, int],
+        cos_sin: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """`attention` of a step whose every sequence decodes one token, straight from the fused
+        QKV output [T, (h + 2 kvh) d] -> [T, h d]; None where the backend has no such call for
+        this step (prefill tokens, an fp8 cache, a layout it does not take)."""
+        if self.qkv_decode_attention is None or fb.max_query_len != 1 or fb.kv_scales is not None:
+            return None
+        k_cache, v_cache = fb.kv_caches[layer]
+        return self.qkv_decode_attention(
+            qkv, heads[0], heads[1], fb.positions, cos_sin, k_cache, v_cache, fb.slot_mapping,
+            fb.block_tables, fb.seq_lens, fb.query_start_loc, scale,
+        )  # fmt: skip
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, layer: int, scale: float
@@ -73,7 +95,10 @@ def torch_ops() -> Ops:
 def cpu_ops() -> Ops:
     from pagebus.kernels import cpu_native as n
 
-    return Ops("cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention)
+    return Ops(
+        "cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention,
+        n.qkv_decode_attention,
+    )  # fmt: skip
 
 
 def _without_memo(fn: Callable[..., Any]) -> Callable[..., Any]:

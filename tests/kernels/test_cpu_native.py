@@ -124,6 +124,53 @@ def test_attention(
         torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
+@DTYPES
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "rot"), [(9, 3, 64), (8, 1, 32)])
+def test_fused_decode_attention_is_the_separate_ops(
+    num_heads: int, num_kv_heads: int, rot: int, dtype: torch.dtype
+) -> None:
+    """qkv_decode_attention = rotary, then write_kv, then paged_attention, caches included."""
+    from pagebus.workers.layers.rotary import build_cos_sin_cache
+
+    d, bs = 64, 16
+    batch = make_batch(DECODES, num_heads, num_kv_heads, d, dtype=dtype)
+    t = len(DECODES)
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * d).to(dtype)
+    positions = batch.seq_lens.long() - 1
+    slots = batch.block_tables[torch.arange(t), positions // bs].long() * bs + positions % bs
+    cos_sin = build_cos_sin_cache(rot, 2048, 10000.0, None)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    caches = [c.clone() for c in (batch.k_cache, batch.v_cache)]
+    q, k = native.rotary_embedding(positions, q.view(t, -1, d), k.view(t, -1, d), cos_sin)
+    native.write_kv_cache(k, v.reshape(t, -1, d), *caches, slots)
+    want = native.paged_attention(q, *caches, *batch.args()[3:], 0.125, max_query_len=1)
+    tables = batch.args()[3:]
+    got = native.qkv_decode_attention(
+        qkv, num_heads, num_kv_heads, positions, cos_sin, batch.k_cache, batch.v_cache, slots, *tables, 0.125
+    )
+    assert got is not None
+    torch.testing.assert_close(got, want.reshape(t, -1), **TOLS[dtype])
+    assert torch.equal(batch.k_cache, caches[0]) and torch.equal(batch.v_cache, caches[1])
+
+
+def test_fused_decode_attention_declines_prefill_tokens() -> None:
+    batch = make_batch(MIXED, 2, 2, 64)
+    t = batch.q.shape[0]
+    qkv, positions, cos_sin = torch.randn(t, 6 * 64), torch.zeros(t, dtype=torch.long), torch.zeros(2048, 64)
+    caches, slots = (batch.k_cache, batch.v_cache), torch.full((t,), -1, dtype=torch.long)
+    tables, lens, starts = batch.block_tables, batch.seq_lens, batch.query_start_loc
+    got = native.qkv_decode_attention(
+        qkv, 2, 2, positions, cos_sin, *caches, slots, tables, lens, starts, 0.125
+    )
+    assert got is None  # more tokens than sequences: the separate ops run
+    # three sequences, three tokens, but not one each: the compiled op refuses it too
+    starts = torch.tensor([0, 2, 3, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="other than one query token"):
+        native.native_ops().qkv_decode_attention(
+            qkv[:3], 2, 2, positions[:3], cos_sin, *caches, slots[:3], tables, lens, starts, 0.125
+        )
+
+
 def test_other_dtypes_run_the_torch_backend() -> None:
     x, w = torch.randn(3, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
     assert torch.equal(native.rms_norm(x, w, 1e-5), rms_norm_cpu(x, w, 1e-5))

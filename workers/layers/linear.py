@@ -8,6 +8,7 @@ Tensor-parallel layers (parallel.py) say which slice of a checkpoint tensor they
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +64,13 @@ class UnquantizedLinearMethod(LinearMethod):
 
             return linear_tiles(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def direct_apply(self, layer: Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if layer.weight.dim() != 3:
+            return None
+        from pagebus.kernels.cpu_native import direct_linear_tiles
+
+        return direct_linear_tiles(layer.weight, layer.bias)
 
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         if layer.weight.dim() == 3:
@@ -139,8 +147,15 @@ class Linear(nn.Module):
 
     def process_after_loading(self) -> None:
         self.quant_method.process_after_loading(self)
+        self._direct = self.quant_method.direct_apply(self)
+        self._direct_dtype = torch.get_default_dtype()
+
+    _direct: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        direct = self._direct
+        if direct is not None and x.dim() == 2 and x.dtype is self._direct_dtype:
+            return direct(x)
         return self.quant_method.apply(self, x)
 
 

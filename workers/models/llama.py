@@ -56,6 +56,7 @@ class Attention(nn.Module):
         )
         heads = self.qkv_proj.heads  # this rank's
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_q, heads.num_kv, cfg.head_dim
+        self.heads = (heads.num_q, heads.num_kv)
         self.q_size = heads.num_q * cfg.head_dim
         self.kv_size = heads.num_kv * cfg.head_dim
         q_cols = (heads.q_start * cfg.head_dim, self.q_size)
@@ -66,7 +67,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:
+            o = fb.ops.fused_decode_attention(qkv, fb, self.layer_idx, self.heads, cos_sin, self.scale)
+            if o is not None:
+                return self.o_proj(o)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)

@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -315,6 +316,18 @@ def q8_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     if not available():
         return F.linear(x, dequantize_q8(qs, d))
     return _ops().q8_mm(x, qs, d)
+
+
+def bound_mm(kind: str, tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`x -> q4_mm(x, *tensors)` (or q8_mm) straight to the compiled function, for float32
+    [M, K] x; None when the kernels cannot be built."""
+    if not available():
+        return None
+    if kind == "q4":
+        q4, qs, d, m = _ops().q4_mm, *tensors
+        return lambda x: q4(x, qs, d, m)
+    q8, qs, d = _ops().q8_mm, *tensors
+    return lambda x: q8(x, qs, d)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ F.linear. Every other type is refused by name at load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -176,6 +177,18 @@ class GGUFLinearMethod(LinearMethod):
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*shape[:-1], layer.out_features)
+
+    def direct_apply(self, layer: Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        # one packed part, float32 activations, the C++ kernels: the matmul is the whole call
+        if (
+            len(self.parts) != 1
+            or self.parts[0].kind not in ("q4", "q8")
+            or layer.bias is not None
+            or not layer.weight.is_cpu
+            or torch.get_default_dtype() is not torch.float32
+        ):
+            return None
+        return cpu_kernels.bound_mm(self.parts[0].kind, self.parts[0].tensors)
 
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         if len(self.parts) != 1:
