@@ -171,6 +171,14 @@ def test_fused_decode_attention_declines_prefill_tokens() -> None:
         )
 
 
+@pytest.mark.parametrize("head_dim", [128, 32])  # the 16-wide fast path's other size, and the general loop
+def test_attention_other_head_dims(head_dim: int) -> None:
+    batch = make_batch(DECODES + MIXED, 8, 2, head_dim)
+    ref = paged_attention_ref(*batch.args(), 0.125)
+    got = native.paged_attention(*batch.args(), 0.125, max_query_len=129)
+    torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_other_dtypes_run_the_torch_backend() -> None:
     x, w = torch.randn(3, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
     assert torch.equal(native.rms_norm(x, w, 1e-5), rms_norm_cpu(x, w, 1e-5))
