@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from typing import Any
 
 import torch
 from pagebus.bus.config import EngineConfig
-from pagebus.bus.messages import AddRequest, SamplingParams
 from pagebus.frontends.model_files import default_model_path
-from pagebus.scheduler.scheduler import Scheduler
 from pagebus.workers import ops as ops_module
 from pagebus.workers.loader import resident_weight_bytes
 from pagebus.workers.runner import ModelRunner
 
 from bench.common import cpu_flags, emit, git_sha, log, setup_logging
 from bench.gpu_e2e import write_llama_config
-from bench.step_overhead import SHAPE
+from bench.step_overhead import SHAPE, decode_step_times
 
 
 def _attention_before_fp8(self: Any, q: Any, k: Any, v: Any, fb: Any, layer: int, scale: float) -> Any:
@@ -45,25 +42,6 @@ def _attention_before_fp8(self: Any, q: Any, k: Any, v: Any, fb: Any, layer: int
         max_query_len=fb.max_query_len, max_seq_len=fb.max_seq_len,
         seq_lens_host=fb.seq_lens_host, query_start_loc_host=fb.query_start_loc_host, memo=memo,
     )  # fmt: skip
-
-
-def decode_step_times(runner: ModelRunner, batch: int, steps: int, prompt_len: int = 32) -> list[float]:
-    """Thread CPU seconds of each decode-only step of `batch` greedy sequences."""
-    sched = Scheduler(runner.cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"b")
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    for i in range(batch):
-        ids = [(7 * i + j) % 500 + 3 for j in range(prompt_len)]
-        sched.add_request(AddRequest(request_id=f"r{i}", prompt_token_ids=ids, params=params))
-    times: list[float] = []
-    while sched.has_unfinished():
-        b = sched.schedule()
-        assert b is not None
-        t = time.thread_time()
-        result = runner.execute(b)
-        if not b.new_seqs and len(b.cached_seqs) == batch:
-            times.append(time.thread_time() - t)
-        sched.update(b, result)
-    return times
 
 
 def _median(xs: list[float]) -> float:

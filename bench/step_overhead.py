@@ -37,14 +37,10 @@ SHAPE: dict[str, Any] = dict(
 )
 
 
-def measure(backend: str, batch: int, steps: int, prompt_len: int, dtype: str) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as d:
-        write_llama_config(d, SHAPE)
-        cfg = EngineConfig(
-            model=d, load_format="dummy", dtype=dtype, num_kv_blocks=1024, attention_backend=backend
-        )
-        runner = ModelRunner(cfg, d)
-    sched = Scheduler(cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"b")
+def decode_step_times(runner: ModelRunner, batch: int, steps: int, prompt_len: int = 32) -> list[float]:
+    """Thread CPU seconds of each decode-only step (every sequence, one token) of `batch`
+    greedy sequences of `prompt_len`-token prompts, `steps` of them each."""
+    sched = Scheduler(runner.cfg, runner.num_blocks, runner.max_model_len, None, hash_seed=b"b")
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         ids = [(7 * i + j) % 500 + 3 for j in range(prompt_len)]
@@ -55,10 +51,20 @@ def measure(backend: str, batch: int, steps: int, prompt_len: int, dtype: str) -
         assert b is not None
         t = time.thread_time()
         result = runner.execute(b)
-        if not b.new_seqs and len(b.cached_seqs) == batch:  # decode-only: every sequence, one token
+        if not b.new_seqs and len(b.cached_seqs) == batch:
             times.append(time.thread_time() - t)
         sched.update(b, result)
-    times.sort()
+    return times
+
+
+def measure(backend: str, batch: int, steps: int, prompt_len: int, dtype: str) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as d:
+        write_llama_config(d, SHAPE)
+        cfg = EngineConfig(
+            model=d, load_format="dummy", dtype=dtype, num_kv_blocks=1024, attention_backend=backend
+        )
+        runner = ModelRunner(cfg, d)
+    times = sorted(decode_step_times(runner, batch, steps, prompt_len))
     median = times[len(times) // 2]
     log.info(
         "%s, batch %d: %.2f ms CPU per decode step (median of %d)", backend, batch, median * 1e3, len(times)
