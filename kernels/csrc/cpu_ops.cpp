@@ -257,6 +257,24 @@ inline void group_dots(const float* __restrict__ q, const float* __restrict__ k,
   for (int64_t hh = 0; hh < group; ++hh) scores[hh * stride] = dot(q + hh * d, k, d) * sc;
 }
 
+// Softmax of each of the h rows of L scores, in place (float32, max-subtracted).
+inline void softmax_rows(float* sp, int64_t h, int64_t L) {
+  for (int64_t hh = 0; hh < h; ++hh) {
+    float* __restrict__ s = sp + hh * L;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
+#pragma omp simd
+    for (int64_t j = 0; j < L; ++j) s[j] = fast_exp(s[j] - m);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < L; ++j) total += s[j];
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < L; ++j) s[j] *= inv;
+  }
+}
+
 #ifdef __AVX512F__
 // The 16 horizontal sums of v[0..15] as one vector, lane i = sum of v[i]: 45 shuffles and
 // adds in all, against about 9 for each _mm512_reduce_add_ps.
@@ -345,20 +363,7 @@ void decode_rows_f32(float* op0, int64_t os, const float* qp, int64_t qs, const 
         for (int64_t hh = 0; hh < h; ++hh)
           block_scores<NV>(qt + hh * d, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
       }
-      for (int64_t hh = 0; hh < h; ++hh) {
-        float* __restrict__ s = sp + hh * L;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
-#pragma omp simd
-        for (int64_t j = 0; j < L; ++j) s[j] = fast_exp(s[j] - m);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < L; ++j) total += s[j];
-        const float inv = 1.0f / total;
-#pragma omp simd
-        for (int64_t j = 0; j < L; ++j) s[j] *= inv;
-      }
+      softmax_rows(sp, h, L);
       float* ot = op0 + t * os;
       for (int64_t g = 0; g < kvh; ++g) {
         const float* vg = vc + g * s2;
@@ -399,20 +404,7 @@ void decode_rows(float* op0, int64_t os, const T* qp, int64_t qs, const T* kc, c
             group_dots(qt + g * group * d, as_f32(kc + base + o * s1 + g * s2, d, row.data()), group, d, sc,
                        sp + g * group * L + j0 + o, L);
       }
-      for (int64_t hh = 0; hh < h; ++hh) {
-        float* __restrict__ s = sp + hh * L;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
-#pragma omp simd
-        for (int64_t j = 0; j < L; ++j) s[j] = fast_exp(s[j] - m);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < L; ++j) total += s[j];
-        const float inv = 1.0f / total;
-#pragma omp simd
-        for (int64_t j = 0; j < L; ++j) s[j] *= inv;
-      }
+      softmax_rows(sp, h, L);
       // float32 output accumulates in place; bf16 in a float buffer, rounded once at the end
       float* ot = out_t == nullptr ? op0 + t * os : obuf.data();
       std::fill(ot, ot + h * d, 0.f);
