@@ -159,6 +159,19 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out.view(shape);
 }
 
+// One head vector x [d] rotated into o: NeoX halves over the first `rot` dims (cos c, sin s of
+// the position), the rest copied.
+template <typename T>
+inline void rotate_head(const T* __restrict__ x, T* __restrict__ o, const float* __restrict__ c,
+                        const float* __restrict__ s, int64_t half, int64_t rot, int64_t d) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+    o[i] = from_f32<T>(x1 * c[i] - x2 * s[i]);
+    o[i + half] = from_f32<T>(x2 * c[i] + x1 * s[i]);
+  }
+  for (int64_t i = rot; i < d; ++i) o[i] = x[i];
+}
+
 // NeoX rotary on q [T, h, d] and k [T, kvh, d] (any row strides, head vectors contiguous):
 // new tensors, views of one [T, h + kvh, d] buffer. cos_sin [max_pos, rot] float32: cos then sin.
 std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
@@ -186,16 +199,9 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
       for (int64_t t = t0; t < t1; ++t) {
         const float* __restrict__ c = csp + pp[t] * rot;
         const float* __restrict__ s = c + half;
-        for (int64_t j = 0; j < h + kvh; ++j) {
-          const T* __restrict__ x = j < h ? qp + t * qs + j * d : kp + t * ks + (j - h) * d;
-          T* __restrict__ o = op + (t * (h + kvh) + j) * d;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = f32(x[i]), x2 = f32(x[i + half]);
-            o[i] = from_f32<T>(x1 * c[i] - x2 * s[i]);
-            o[i + half] = from_f32<T>(x2 * c[i] + x1 * s[i]);
-          }
-          for (int64_t i = rot; i < d; ++i) o[i] = x[i];
-        }
+        for (int64_t j = 0; j < h + kvh; ++j)
+          rotate_head(j < h ? qp + t * qs + j * d : kp + t * ks + (j - h) * d, op + (t * (h + kvh) + j) * d, c, s,
+                      half, rot, d);
       }
     });
   });
@@ -474,31 +480,57 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 }
 
 
-// A decode step's whole attention from the fused QKV projection, in one call: rotary on q and
-// k, k and v into their cache slots, then decode_attention. Every sequence must have one query
-// token. qkv [T, (h + 2 kvh) d] -> [T, h d]. Saves the six calls, three views and the argument
-// checks per layer that the separate ops cost from Python (about a tenth of a decode step of
-// the default model).
+// A decode step's whole attention from the fused QKV projection, in one call: q rotated into
+// the output rows, k rotated and v copied straight into their cache slots, then
+// decode_attention in place (each sequence reads its own q row before writing that row).
+// Every sequence must have one query token. qkv [T, (h + 2 kvh) d] -> [T, h d]. Saves the
+// six calls, three views and the argument checks per layer that the separate ops cost from
+// Python, and their intermediate tensors (about a tenth of a decode step of the default model).
 torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, torch::Tensor positions,
                                    torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
                                    torch::Tensor query_start_loc, double scale) {
-  const int64_t T = qkv.size(0), d = k_cache.size(3);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d && qkv.stride(1) == 1,
-              "qkv_decode_attention: qkv must be [T, (h + 2 kvh) d] with contiguous rows");
+  const auto st = check_dtype({&qkv, &k_cache, &v_cache}, "qkv_decode_attention");
+  const int64_t ntok = qkv.size(0), d = k_cache.size(3), bs = k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d && qkv.stride(1) == 1 && k_cache.size(2) == kvh,
+              "qkv_decode_attention: qkv must be [T, (h + 2 kvh) d] with contiguous rows, caches [.., kvh, d]");
   TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous() &&
-                  query_start_loc.size(0) == T + 1,
+                  query_start_loc.size(0) == ntok + 1,
               "qkv_decode_attention: int32 query starts, one query token per sequence expected");
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() &&
+                  positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+                  slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+              "qkv_decode_attention: float32 cos_sin_cache, int64 positions and slot_mapping expected");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == d && v_cache.strides() == k_cache.strides(),
+              "qkv_decode_attention: caches must hold contiguous head vectors, in one layout");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  for (int64_t b = 0; b <= T; ++b) TORCH_CHECK(qsl[b] == b, "qkv_decode_attention: a sequence has other than one query token");
-  auto q = qkv.narrow(1, 0, h * d).view({T, h, d});
-  auto k = qkv.narrow(1, h * d, kvh * d).view({T, kvh, d});
-  auto v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({T, kvh, d});
-  auto qk = rotary(positions, q, k, cos_sin);
-  write_kv(qk[1], v, k_cache, v_cache, slots);
-  auto out = torch::empty({T, h, d}, qkv.options());
-  decode_attention(out, qk[0], k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
-  return out.view({T, h * d});
+  for (int64_t b = 0; b <= ntok; ++b) TORCH_CHECK(qsl[b] == b, "qkv_decode_attention: a sequence has other than one query token");
+  const int64_t rot = cos_sin.size(1), half = rot / 2, num_slots = k_cache.size(0) * bs;
+  TORCH_CHECK(rot <= d, "qkv_decode_attention: rotary dim exceeds head dim");
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ntok; ++t)
+    TORCH_CHECK(sp[t] < num_slots, "qkv_decode_attention: slot ", sp[t], " beyond the cache's ", num_slots);
+  const float* csp = cos_sin.data_ptr<float>();
+  auto out = torch::empty({ntok, h, d}, qkv.options());
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), ld = qkv.stride(0);
+  DISPATCH(st, {
+    const T* x = qkv.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    for (int64_t t = 0; t < ntok; ++t) {
+      const float* c = csp + pp[t] * rot;
+      const T* xt = x + t * ld;
+      for (int64_t j = 0; j < h; ++j) rotate_head(xt + j * d, op + (t * h + j) * d, c, c + half, half, rot, d);
+      if (sp[t] < 0) continue;
+      const int64_t off = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
+      for (int64_t g = 0; g < kvh; ++g) rotate_head(xt + (h + g) * d, kc + off + g * d, c, c + half, half, rot, d);
+      std::memcpy(vc + off, xt + (h + kvh) * d, kvh * d * sizeof(T));
+    }
+  });
+  decode_attention(out, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+  return out.view({ntok, h * d});
 }
 
 // ---------------------------------------------------------------- float32 matmul on column tiles
