@@ -19,6 +19,8 @@ from pagebus.workers.layers.quant.gguf import (
 )
 from pagebus.workers.layers.quant.gguf_blocks import BLOCKS
 
+from tests.workers.quant.packed_reference import packed_matmul
+
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 _QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # gguf.quants.quantize has these
 _FP16_AT = {"Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of a K-quant block's fp16 scales
@@ -60,15 +62,21 @@ def _linear(shards: dict[str | int, int], k: int) -> Linear:
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 65, 70])
 def test_matmul_matches_dequantized(qtype: str, rows: int) -> None:
-    """Both kernel paths (GEMV up to 64 rows, dequantize + BLAS above); tolerance: float32
-    rounding of 768-long dot products, relative to the largest weight."""
+    """Every kernel path (int8 x at 1-2 rows on VNNI machines, float GEMV up to 64 rows,
+    dequantize + BLAS above) against its torch reference; tolerance: float32 rounding of
+    768-long dot products, relative to the largest weight."""
     n, k = 160, 768
     w, ref = _quantized(n, k, qtype, seed=2)
     layer = _linear({0: n}, k)
     layer.load_weight(layer.weight, w, None)
     layer.process_after_loading()
+    method = layer.quant_method
+    assert isinstance(method, GGUFLinearMethod)
+    (part,) = method.parts
+    assert torch.equal(_dense(part), ref)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    torch.testing.assert_close(layer(x), x @ ref.t(), rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+    want = packed_matmul(x, part.kind, part.tensors)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
 
 
 def test_fused_shards_of_mixed_types_and_bias() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from pagebus.bus.config import EngineConfig
 from pagebus.workers.layers.linear import Linear
-from pagebus.workers.layers.quant import select
+from pagebus.workers.layers.quant import cpu_kernels, select
 from pagebus.workers.layers.quant.group_quant import (
     GroupQuantConfig,
     GroupQuantLinearMethod,
@@ -30,6 +30,7 @@ from tests.workers.quant.group_pack import (
     tiny_llama,
     write_quantized,
 )
+from tests.workers.quant.packed_reference import packed_matmul
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
@@ -131,7 +132,13 @@ def test_layer_matches_dequantized(qc: dict, act_order: bool, rows: int) -> None
     assert (method.packed.perm is not None) == act_order
     torch.testing.assert_close(dense(method.packed), w, rtol=1e-6, atol=1e-7)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
-    torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    p = method.packed
+    want = packed_matmul(
+        x[:, p.perm] if p.perm is not None else x, p.kind, p.tensors
+    )  # int8 x at 1 row (VNNI)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    if rows > cpu_kernels.int8_rows():
+        torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("act_order", [False, True])

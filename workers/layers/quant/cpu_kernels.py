@@ -9,6 +9,12 @@ of 8 rows of x, so W is read from memory once and packed (5 bits a weight for Q4
 32 for fp32); above 64 rows (prefill chunks) W is dequantized once into a float copy and
 multiplied by the BLAS that F.linear uses. Without AVX-512 the same loops run in scalar C++.
 
+On AVX-512 VNNI machines, 1-2 rows of x (single-stream decode) go in as int8 instead, as in
+llama.cpp: each 32-wide group of x is quantized (max |x| -> 127, one float scale) and vpdpbusd
+multiplies 64 weights by 64 activations at once, so the kernel is bound by reading W rather than
+by unpacking it (1.2-2.1x the float GEMV per shape at 1 thread). The error this adds is at most
+half a step of x's grid per group, times the group's |w| sum (tests/workers/quant assert that).
+
 Layouts (GGUF's own block contents, split into arrays; `G = K / 32` groups per row):
 - q4: qs uint8 [N, G, 16], d and m float32 [N, G]: in group g, byte j holds column 32g+j in
   its low nibble and 32g+16+j in its high one; w = d * q + m (Q4_0: m = -8d; Q4_1: as stored).
@@ -69,6 +75,10 @@ static inline void deq_q8_row(const int8_t* __restrict__ qs, const float* __rest
 
 constexpr int64_t kMaxGemvRows = 8;  // accumulators in registers: 8 of AVX-512's 32
 constexpr int64_t kMaxGemvM = 64;  // above: one dequantized copy of W and one BLAS call
+// Up to this many rows, x goes in as int8 (VNNI machines): 1.2-2.1x the float GEMV at 1-2 rows
+// at this model's shapes, one thread; from 3 rows on the float GEMV, whose dequantized weights
+// serve 8 rows at once, is as fast or faster (0.7-1.1x at 3-32 rows).
+constexpr int64_t kMaxInt8Rows = 2;
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -147,6 +157,171 @@ static void q8_rows(const float* xp, int64_t K, int64_t gs, const int8_t* qs, co
   }
 #endif
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEBUS_VNNI 1
+// int8 activations (what llama.cpp multiplies its quantized weights with): each 32-wide group of
+// a row of x becomes int8 with one float scale (max |x| -> 127), laid out in the order the weight
+// kernel reads, so one vpdpbusd multiplies 64 weights by 64 activations and sums them in fours.
+// Chunk-major ([chunk][row]), so the kernel finds row r of a chunk at a constant offset.
+struct QuantX {
+  int64_t M = 0, K = 0, G = 0, chunks = 0, bytes = 0;  // bytes of q per row and chunk: 128 (q4), 64 (q8)
+  std::vector<int8_t> q;  // [chunks, M, bytes]
+  std::vector<float> dx;  // [chunks, M, 16]: each group's scale, in the lanes its sums land in
+  std::vector<float> corr;  // [M, G]: the per-group term multiplied with the weights' second array
+  std::vector<float> corr_sum;  // [M]: sum of corr (q8 with one scale per row)
+};
+
+// Row r of x as int8 groups. q4: chunks of 4 groups, the 16 low-nibble columns of each group
+// first (64 bytes), then the 16 high-nibble ones; corr = the group's float sum (times m).
+// q8: natural order, chunks of 2 groups; corr = -128 * scale * sum(q) (the weights go in as
+// w + 128, unsigned, so each group's product carries 128 * sum(q) too much).
+static void quantize_row(const float* x, int64_t r, bool q4, QuantX& qx) {
+  float* corr = qx.corr.data() + r * qx.G;
+  float total = 0;
+  for (int64_t g = 0; g < qx.G; ++g) {
+    const __m512 a = _mm512_loadu_ps(x + 32 * g), b = _mm512_loadu_ps(x + 32 * g + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, id = amax > 0 ? 127.f / amax : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+    const int per = q4 ? 4 : 2, lanes = 16 / per;  // groups a chunk holds; lanes of each group's sums
+    int8_t* q = qx.q.data() + ((g / per) * qx.M + r) * qx.bytes;
+    float* dx = qx.dx.data() + ((g / per) * qx.M + r) * 16;
+    int8_t* lo = q4 ? q + (g % 4) * 16 : q + (g % 2) * 32;
+    int8_t* hi = q4 ? lo + 64 : lo + 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtsepi32_epi8(qb));
+    for (int i = 0; i < lanes; ++i) dx[(g % per) * lanes + i] = d;
+    corr[g] = q4 ? _mm512_reduce_add_ps(_mm512_add_ps(a, b))
+                 : -128.f * d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    total += corr[g];
+  }
+  qx.corr_sum[r] = total;
+}
+
+static void quantize_x(const float* xp, int64_t M, int64_t K, bool q4, QuantX& qx) {
+  qx.M = M;
+  qx.K = K;
+  qx.G = K / 32;
+  qx.chunks = q4 ? (qx.G + 3) / 4 : (qx.G + 1) / 2;
+  qx.bytes = q4 ? 128 : 64;
+  qx.q.assign(qx.chunks * M * qx.bytes, 0);  // a last chunk's missing groups stay 0, so they add nothing
+  qx.dx.assign(qx.chunks * M * 16, 0.f);
+  qx.corr.resize(M * qx.G);
+  qx.corr_sum.resize(M);
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * K, r, q4, qx);
+  });
+}
+
+// sum over g < G of w[g] * c[g], added to acc (16 groups at a time).
+static inline __m512 dot_groups(const float* w, const float* c, int64_t G, __m512 acc) {
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + g), _mm512_maskz_loadu_ps(k, c + g), acc);
+  }
+  return acc;
+}
+
+// y[r0 + r, n] for r < M, n in [n0, n1): 4 groups (64 bytes of q4) a step, shared by the M rows.
+template <int M>
+static void q4_vnni_rows(const QuantX& qx, int64_t r0, const uint8_t* qs, const float* d, const float* m,
+                         float* yp, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = qx.G, C = qx.chunks;
+  const __m512i nib = _mm512_set1_epi8(15);
+  const __m512i rep4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = qs + n * G * 16;
+    const float* dn = d + n * G;
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t ng = std::min<int64_t>(4, G - 4 * c);
+      const __m512i wv = ng == 4 ? _mm512_loadu_si512(q + 64 * c)
+                                 : _mm512_maskz_loadu_epi8(~0ULL >> (64 - 16 * ng), q + 64 * c);
+      const __m128 dw = ng == 4 ? _mm_loadu_ps(dn + 4 * c) : _mm_maskz_loadu_ps((1 << ng) - 1, dn + 4 * c);
+      const __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+      const __m512 dwe = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(dw));
+      const int8_t* xc = qx.q.data() + (c * qx.M + r0) * 128;
+      const float* dxc = qx.dx.data() + (c * qx.M + r0) * 16;
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xq = xc + 128 * r;
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+        s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xq + 64));
+        const __m512 sx = _mm512_loadu_ps(dxc + 16 * r);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dwe, sx), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {  // + sum_g m[g] * sum(x in group g)
+      acc[r] = dot_groups(m + n * G, qx.corr.data() + (r0 + r) * G, G, acc[r]);
+      yp[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]);
+    }
+  }
+}
+
+// q8 with one scale per 32 columns (PerRow false) or per row (true): 2 groups (64 bytes) a step,
+// the weights made unsigned (w + 128) for vpdpbusd; QuantX.corr takes the 128s back out.
+template <int M, bool PerRow>
+static void q8_vnni_rows(const QuantX& qx, int64_t r0, const int8_t* qs, const float* d, float* yp, int64_t N,
+                         int64_t n0, int64_t n1) {
+  const int64_t G = qx.G, C = qx.chunks, K = qx.K;
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  const __m512i rep8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = qs + n * K;
+    const float* dn = d + n * (PerRow ? 1 : G);
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const bool two = G - 2 * c >= 2;
+      const __m512i wv = two ? _mm512_loadu_si512(q + 64 * c) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q + 64 * c);
+      const __m512i w = _mm512_xor_si512(wv, flip);
+      __m512 dwe;
+      if constexpr (PerRow) {
+        dwe = _mm512_set1_ps(dn[0]);
+      } else {
+        const __m128 dw = _mm_maskz_loadu_ps(two ? 3 : 1, dn + 2 * c);
+        dwe = _mm512_permutexvar_ps(rep8, _mm512_castps128_ps512(dw));
+      }
+      const int8_t* xc = qx.q.data() + (c * qx.M + r0) * 64;
+      const float* dxc = qx.dx.data() + (c * qx.M + r0) * 16;
+      for (int r = 0; r < M; ++r) {
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xc + 64 * r));
+        const __m512 sx = _mm512_loadu_ps(dxc + 16 * r);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dwe, sx), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      if constexpr (PerRow) {
+        yp[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]) + dn[0] * qx.corr_sum[r0 + r];
+      } else {
+        acc[r] = dot_groups(dn, qx.corr.data() + (r0 + r) * G, G, acc[r]);
+        yp[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]);
+      }
+    }
+  }
+}
+template <int M>
+static void q8_vnni_group(const QuantX& qx, int64_t r0, const int8_t* qs, const float* d, float* yp, int64_t N,
+                          int64_t n0, int64_t n1) {
+  q8_vnni_rows<M, false>(qx, r0, qs, d, yp, N, n0, n1);
+}
+template <int M>
+static void q8_vnni_row(const QuantX& qx, int64_t r0, const int8_t* qs, const float* d, float* yp, int64_t N,
+                        int64_t n0, int64_t n1) {
+  q8_vnni_rows<M, true>(qx, r0, qs, d, yp, N, n0, n1);
+}
+#endif
+
+int64_t int8_rows() {
+#ifdef PAGEBUS_VNNI
+  return kMaxInt8Rows;
+#else
+  return 0;
+#endif
+}
+
 // y[r, n] for r < M <= kMaxGemvRows, n in [n0, n1).
 static void q4_gemv(const float* xp, int64_t M, int64_t K, const uint8_t* qs, const float* d,
                     const float* m, float* yp, int64_t N, int64_t n0, int64_t n1) {
@@ -204,23 +379,34 @@ static inline void deq_q4_row_v(const uint8_t* qs, const float* d, const float* 
 #define DEQ_Q4_ROW deq_q4_row
 #endif
 
-template <typename Deq, typename Gemv>
-static torch::Tensor quant_mm(const torch::Tensor& x, int64_t N, int64_t K, Deq deq, Gemv gemv) {
+// rows(r0, count, b0, b1) computes y[r0 : r0 + count, b0 : b1]: 16 rows of W at a time (a few
+// KiB, L1) against every chunk of up to 8 rows of x, the rows of W split between threads.
+template <typename Rows>
+static void gemv_blocks(int64_t M, int64_t N, Rows rows) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t b0 = n0; b0 < n1; b0 += 16) {
+      const int64_t b1 = std::min(n1, b0 + 16);
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxGemvRows) rows(r0, std::min(kMaxGemvRows, M - r0), b0, b1);
+    }
+  });
+}
+
+static at::Tensor checked_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  auto xc = x.contiguous();
+  return x.contiguous();
+}
+
+template <typename Deq, typename Gemv>
+static torch::Tensor quant_mm(const torch::Tensor& x, int64_t N, int64_t K, Deq deq, Gemv gemv) {
+  auto xc = checked_x(x, K);
   const int64_t M = xc.size(0);
   auto y = torch::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M <= kMaxGemvM) {
-    // 16 rows of W at a time (a few KiB, L1) against every chunk of 8 rows of x.
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t b0 = n0; b0 < n1; b0 += 16) {
-        const int64_t b1 = std::min(n1, b0 + 16);
-        for (int64_t r0 = 0; r0 < M; r0 += kMaxGemvRows)
-          gemv(xp + r0 * K, std::min(kMaxGemvRows, M - r0), yp + r0 * N, b0, b1);
-      }
+    gemv_blocks(M, N, [&](int64_t r0, int64_t rows, int64_t b0, int64_t b1) {
+      gemv(xp + r0 * K, rows, yp + r0 * N, b0, b1);
     });
     return y;
   }
@@ -234,6 +420,21 @@ static torch::Tensor quant_mm(const torch::Tensor& x, int64_t N, int64_t K, Deq 
   return y;
 }
 
+#ifdef PAGEBUS_VNNI
+// Decode-sized x through the int8 dot products: x quantized once, then every block of W.
+template <typename Rows>
+static torch::Tensor vnni_mm(const torch::Tensor& x, int64_t N, int64_t K, bool q4, Rows rows) {
+  auto xc = checked_x(x, K);
+  const int64_t M = xc.size(0);
+  auto y = torch::empty({M, N}, xc.options());
+  float* yp = y.data_ptr<float>();
+  QuantX qx;
+  quantize_x(xc.data_ptr<float>(), M, K, q4, qx);
+  gemv_blocks(M, N, [&](int64_t r0, int64_t count, int64_t b0, int64_t b1) { rows(qx, r0, count, yp, b0, b1); });
+  return y;
+}
+#endif
+
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 32;
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && m.is_contiguous(), "q4 arrays must be contiguous");
@@ -241,6 +442,12 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::T
   const float* dp = d.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
   const int64_t G = K / 32;
+#ifdef PAGEBUS_VNNI
+  if (x.size(0) <= kMaxInt8Rows)
+    return vnni_mm(x, N, K, true, [&](const QuantX& qx, int64_t r0, int64_t rows, float* yp, int64_t b0, int64_t b1) {
+      PAGEBUS_BY_ROWS(rows, q4_vnni_rows, qx, r0, q, dp, mp, yp, N, b0, b1)
+    });
+#endif
   return quant_mm(
       x, N, K, [&](int64_t n, float* out) { DEQ_Q4_ROW(q + n * G * 16, dp + n * G, mp + n * G, K, out); },
       [&](const float* xp, int64_t M, float* yp, int64_t n0, int64_t n1) {
@@ -254,6 +461,16 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   const int8_t* q = qs.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   const int64_t G = d.size(1);
+#ifdef PAGEBUS_VNNI
+  if (x.size(0) <= kMaxInt8Rows && (gs == 32 || gs == K))
+    return vnni_mm(x, N, K, false, [&](const QuantX& qx, int64_t r0, int64_t rows, float* yp, int64_t b0, int64_t b1) {
+      if (gs == K) {
+        PAGEBUS_BY_ROWS(rows, q8_vnni_row, qx, r0, q, dp, yp, N, b0, b1)
+      } else {
+        PAGEBUS_BY_ROWS(rows, q8_vnni_group, qx, r0, q, dp, yp, N, b0, b1)
+      }
+    });
+#endif
   return quant_mm(
       x, N, K, [&](int64_t n, float* out) { deq_q8_row(q + n * K, dp + n * G, K, gs, out); },
       [&](const float* xp, int64_t M, float* yp, int64_t n0, int64_t n1) {
@@ -275,7 +492,7 @@ def _build(build_directory: str | None = None) -> Any:
         return load_inline(
             name="pagebus_quant_cpu",
             cpp_sources=_SOURCE,
-            functions=["q4_mm", "q8_mm"],
+            functions=["q4_mm", "q8_mm", "int8_rows"],
             # -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers; without the flag it
             # ran every call on one thread
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -304,6 +521,14 @@ def available() -> bool:
         log.warning("%s. Quantized matmuls run in torch instead (same values, several times slower)", e)
         return False
     return True
+
+
+def int8_rows() -> int:
+    """Up to how many rows of x (single-stream decode) a matmul quantizes x to int8 per 32
+    columns and multiplies with int8 dot products, as llama.cpp's CPU kernels do: 2 on AVX-512
+    VNNI machines, else 0. Above it, and for int8 weights with groups other than 32 or a whole
+    row (Q6_K's 16), x stays float32 throughout."""
+    return int(_ops().int8_rows()) if available() else 0
 
 
 def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
