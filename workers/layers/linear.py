@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pagebus.workers.layers.direct_call import DirectCall
 from pagebus.workers.layers.quant.base import LinearMethod, current_linear_method_factory
 from torch import nn
 
@@ -80,7 +81,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.embedding(ids, layer.weight)
 
 
-class Linear(nn.Module):
+class Linear(DirectCall):
     """y = x W^T (+ b). Output rows are split into named shards when fused.
 
     How W is held and multiplied is `quant_method`'s business (see quant/base.py): the
@@ -159,7 +160,7 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x)
 
 
-class Embedding(nn.Module):
+class Embedding(DirectCall):
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from pagebus.workers.distributed.state import current
 from pagebus.workers.forward_batch import ForwardBatch
+from pagebus.workers.layers.direct_call import DirectCall
 from pagebus.workers.layers.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -35,7 +36,7 @@ _FUSED: dict[str, tuple[str, str | int]] = {
 }
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -47,7 +48,7 @@ class RMSNorm(nn.Module):
         return fb.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-class Attention(nn.Module):
+class Attention(DirectCall):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(DirectCall):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, 2)
@@ -94,7 +95,7 @@ class MLP(nn.Module):
         return self.down_proj(fb.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -114,7 +115,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, fb), residual
 
 
-class Model(nn.Module):
+class Model(DirectCall):
+    held_layers: list[nn.Module]
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.parallel = current()
@@ -129,6 +132,9 @@ class Model(nn.Module):
             DecoderLayer(cfg, i) if i in self.held else nn.Identity() for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last_stage else None
+        # The held layers as a plain list (not registered again): indexing the ModuleList costs
+        # more than the rest of the loop.
+        self.__dict__["held_layers"] = [self.layers[i] for i in self.held]
 
     def forward(self, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor | None:
         """The final hidden states on the last stage; None on the others (sent on instead)."""
@@ -141,8 +147,8 @@ class Model(nn.Module):
             x, residual = self.parallel.recv_prev(
                 [torch.empty(shape, dtype=first.dtype, device=first.device) for _ in range(2)]
             )
-        for i in self.held:
-            x, residual = self.layers[i](x, residual, fb, cos_sin)
+        for layer in self.held_layers:
+            x, residual = layer(x, residual, fb, cos_sin)
         if self.norm is None:
             assert residual is not None  # every stage holds at least one layer
             self.parallel.send_next([x, residual])
