@@ -293,6 +293,17 @@ def direct_linear_tiles(
     return call
 
 
+def tiles_matmul_address() -> int:
+    """The address of the C++ tile matmul taking (x, [tiles]), for the decode stack."""
+    return int(native_ops().tiles_matmul_address())
+
+
+def decode_stack(heads: int, kv_heads: int, scale: float, eps: float) -> Any:
+    """An empty csrc/cpu_ops.cpp DecodeStack: every layer of a Llama-family decoder for
+    decode-only steps in one call (workers/models/llama.py fills and runs it)."""
+    return native_ops().DecodeStack(heads, kv_heads, scale, eps)
+
+
 def embed_tiles(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the [N, K] matrix held as tiles (a tied embedding's lookup)."""
     tile = tiles.shape[2]

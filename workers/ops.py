@@ -39,6 +39,8 @@ class Ops:
     paged_attention: Callable[..., torch.Tensor]
     # rotary + cache write + attention in one call, for steps of decodes only; None: none
     qkv_decode_attention: Callable[..., torch.Tensor | None] | None = None
+    # (heads, kv_heads, scale, eps) -> an empty compiled decode stack; None: the backend has none
+    decode_stack: Callable[[int, int, float, float], Any] | None = None
 
     def fused_decode_attention(
         self,
@@ -97,7 +99,7 @@ def cpu_ops() -> Ops:
 
     return Ops(
         "cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention,
-        n.qkv_decode_attention,
+        n.qkv_decode_attention, n.decode_stack,
     )  # fmt: skip
 
 

@@ -670,6 +670,90 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
   return y;
 }
 
+// ---------------------------------------------------------------- the decode stack
+// Every held layer of a Llama-family decoder for a step in which each sequence decodes one
+// token, in one call from Python: the same compiled ops the layers call one by one (norms,
+// fused QKV attention, SiLU-and-mul) and the layers' own matmuls, without the ~11 Python calls,
+// argument conversions and checks a layer costs between them (about 40% of a single-stream
+// step of the default model on one thread, more on two, where the matmuls shrink and they don't).
+//
+// A matmul is y = x @ W^T as its owner compiled it: this file's column tiles, or the
+// quantized-weight kernels of workers/layers/quant/cpu_kernels.py, another extension built
+// against the same torch headers, whose functions of this signature are passed by address.
+using MatmulFn = torch::Tensor (*)(const torch::Tensor&, const std::vector<torch::Tensor>&);
+
+constexpr int64_t kMaxTileRows = 160;  // kernels/cpu_native.py _TILE_ROWS: above, MKL's batched GEMM
+
+torch::Tensor tiles_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+  const auto& tiles = w[0];
+  const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
+  if (M <= kMaxTileRows) return linear_tiles(x, tiles);
+  return at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, NT * kTile});
+}
+
+int64_t tiles_matmul_address() { return reinterpret_cast<int64_t>(&tiles_matmul); }
+
+struct StackMatmul {
+  MatmulFn fn;
+  std::vector<torch::Tensor> w;
+  torch::Tensor operator()(const torch::Tensor& x) const { return fn(x, w); }
+};
+
+struct StackLayer {
+  torch::Tensor in_norm, post_norm, k_cache, v_cache;
+  StackMatmul qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, double scale, double eps)
+      : heads_(heads), kv_heads_(kv_heads), scale_(scale), eps_(eps) {}
+
+  // fns / weights: the layer's qkv, o, gate_up and down matmuls, in that order.
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<int64_t> fns,
+                 std::vector<std::vector<torch::Tensor>> weights, torch::Tensor k_cache, torch::Tensor v_cache) {
+    TORCH_CHECK(fns.size() == 4 && weights.size() == 4, "DecodeStack.add_layer: 4 matmuls (qkv, o, gate_up, down)");
+    for (int64_t f : fns) TORCH_CHECK(f != 0, "DecodeStack.add_layer: a matmul without an address");
+    auto mm = [&](int i) { return StackMatmul{reinterpret_cast<MatmulFn>(fns[i]), weights[i]}; };
+    layers_.push_back({in_norm, post_norm, k_cache, v_cache, mm(0), mm(1), mm(2), mm(3)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // (hidden, residual) after the last layer, as the layers' forward returns them; residual
+  // None: x is the embedding's output, and the first layer's residual.
+  std::vector<torch::Tensor> run(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions,
+                                 torch::Tensor cos_sin, torch::Tensor slots, torch::Tensor block_tables,
+                                 torch::Tensor seq_lens, torch::Tensor query_start_loc) {
+    torch::Tensor res;
+    bool have = residual.has_value();
+    if (have) res = *residual;
+    for (const auto& L : layers_) {
+      torch::Tensor h;
+      if (have) {
+        auto n = add_rms_norm(x, res, L.in_norm, eps_);
+        h = n[0];
+        res = n[1];
+      } else {
+        res = x;
+        h = rms_norm(x, L.in_norm, eps_);
+        have = true;
+      }
+      auto a = qkv_decode_attention(L.qkv(h), heads_, kv_heads_, positions, cos_sin, L.k_cache, L.v_cache, slots,
+                                    block_tables, seq_lens, query_start_loc, scale_);
+      auto n = add_rms_norm(L.o(a), res, L.post_norm, eps_);
+      res = n[1];
+      x = L.down(silu_and_mul(L.gate_up(n[0])));
+    }
+    return {x, res};
+  }
+
+ private:
+  int64_t heads_, kv_heads_;
+  double scale_, eps_;
+  std::vector<StackLayer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = kTile;
   m.def("pack_tiles", &pack_tiles, "[N, K] -> [N / TILE, K, TILE]");
@@ -681,4 +765,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "scatter K/V rows into their cache slots");
   m.def("decode_attention", &decode_attention, "paged attention of the one-token queries");
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
+  m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run);
 }

@@ -73,6 +73,13 @@ class UnquantizedLinearMethod(LinearMethod):
 
         return direct_linear_tiles(layer.weight, layer.bias)
 
+    def native_matmul(self, layer: Linear) -> tuple[int, list[torch.Tensor]] | None:
+        if layer.weight.dim() != 3 or layer.bias is not None:
+            return None
+        from pagebus.kernels.cpu_native import tiles_matmul_address
+
+        return tiles_matmul_address(), [layer.weight]
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         if layer.weight.dim() == 3:
             from pagebus.kernels.cpu_native import embed_tiles
@@ -150,8 +157,10 @@ class Linear(DirectCall):
         self.quant_method.process_after_loading(self)
         self._direct = self.quant_method.direct_apply(self)
         self._direct_dtype = torch.get_default_dtype()
+        self.native_mm = self.quant_method.native_matmul(self)
 
     _direct: Callable[[torch.Tensor], torch.Tensor] | None = None
+    native_mm: tuple[int, list[torch.Tensor]] | None = None  # LinearMethod.native_matmul, once loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         direct = self._direct

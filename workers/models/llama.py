@@ -12,6 +12,8 @@ the last), receives the hidden state and residual from the previous stage and se
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from pagebus.workers.distributed.state import current
 from pagebus.workers.forward_batch import ForwardBatch
@@ -116,7 +118,8 @@ class DecoderLayer(DirectCall):
 
 
 class Model(DirectCall):
-    held_layers: list[nn.Module]
+    held_layers: list[DecoderLayer]
+    use_decode_stack = True  # tests turn it off to compare with the layers' own forward
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -135,6 +138,7 @@ class Model(DirectCall):
         # The held layers as a plain list (not registered again): indexing the ModuleList costs
         # more than the rest of the loop.
         self.__dict__["held_layers"] = [self.layers[i] for i in self.held]
+        self._stack: tuple[object, Any] | None = None  # (the caches it was built for, the stack or None)
 
     def forward(self, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor | None:
         """The final hidden states on the last stage; None on the others (sent on instead)."""
@@ -147,14 +151,68 @@ class Model(DirectCall):
             x, residual = self.parallel.recv_prev(
                 [torch.empty(shape, dtype=first.dtype, device=first.device) for _ in range(2)]
             )
-        for layer in self.held_layers:
-            x, residual = layer(x, residual, fb, cos_sin)
+        stack = self._decode_stack(fb, x, cos_sin)
+        if stack is not None:
+            x, residual = stack.run(
+                x, residual, fb.positions, cos_sin, fb.slot_mapping, fb.block_tables, fb.seq_lens,
+                fb.query_start_loc,
+            )  # fmt: skip
+        else:
+            for layer in self.held_layers:
+                x, residual = layer(x, residual, fb, cos_sin)
         if self.norm is None:
             assert residual is not None  # every stage holds at least one layer
             self.parallel.send_next([x, residual])
             return None
         x, _ = self.norm(x, fb, residual)
         return x
+
+    def _decode_stack(self, fb: ForwardBatch, x: torch.Tensor, cos_sin: torch.Tensor) -> Any | None:
+        """The backend's compiled decode stack for this step, or None where the layers run one by
+        one: steps with prefill tokens, fp8 caches, other dtypes, tensor parallelism (its
+        all-reduces), qk-norm, and layers whose matmuls only Python can run (a bias, mixed GGUF
+        types, bf16). The same ops in the same order either way: results are bitwise equal."""
+        if (
+            not self.use_decode_stack
+            or fb.max_query_len != 1
+            or fb.kv_scales is not None
+            or fb.ops.decode_stack is None
+            or x.dtype is not torch.float32
+            or cos_sin.dtype is not torch.float32
+            or fb.block_tables.dtype is not torch.int32
+            or fb.seq_lens.dtype is not torch.int32
+            or fb.query_start_loc.dtype is not torch.int32
+        ):
+            return None
+        if self._stack is None or self._stack[0] is not fb.kv_caches:
+            self._stack = (fb.kv_caches, self._build_stack(fb))
+        return self._stack[1]
+
+    def _build_stack(self, fb: ForwardBatch) -> Any | None:
+        assert fb.ops.decode_stack is not None
+        if self.parallel.tp_size != 1 or not self.held_layers:
+            return None
+        first, eps = self.held_layers[0].self_attn, self.held_layers[0].input_layernorm.eps
+        stack = fb.ops.decode_stack(first.num_heads, first.num_kv_heads, first.scale, eps)
+        for layer in self.held_layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            mms = [lin.native_mm for lin in linears]
+            k_cache, v_cache = fb.kv_caches[attn.layer_idx]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if (
+                attn.q_norm is not None
+                or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
+                or any(mm is None for mm in mms)
+                or any(w.dtype is not torch.float32 for w in (*norms, k_cache, v_cache))
+                or k_cache.stride(-1) != 1
+                or k_cache.stride() != v_cache.stride()
+            ):
+                return None
+            stack.add_layer(
+                *norms, [mm[0] for mm in mms if mm], [mm[1] for mm in mms if mm], k_cache, v_cache
+            )
+        return stack
 
 
 class LlamaForCausalLM(nn.Module):

@@ -42,6 +42,12 @@ class LinearMethod:
         kernel of 20-90 us (the default model, one row, CPU)."""
         return None
 
+    def native_matmul(self, layer: Linear) -> tuple[int, list[torch.Tensor]] | None:
+        """The layer's matmul for compiled callers (the CPU decode stack, kernels/csrc/cpu_ops.cpp):
+        the address of a C++ function `y = f(x, tensors)` over 2-D float32 x, and the tensors it
+        takes; None where only Python can run this layer."""
+        return None
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, for an embedding tied to this layer."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve a tied embedding")

@@ -477,6 +477,19 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
         q8_gemv(xp, M, K, gs, q, dp, yp, N, n0, n1);
       });
 }
+
+// The matmuls by address, for compiled callers in other extensions (kernels/csrc/cpu_ops.cpp's
+// DecodeStack): same torch headers, so this signature means the same on both sides.
+static torch::Tensor q4_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+  return q4_mm(x, w[0], w[1], w[2]);
+}
+static torch::Tensor q8_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+  return q8_mm(x, w[0], w[1]);
+}
+int64_t matmul_address(std::string kind) {
+  TORCH_CHECK(kind == "q4" || kind == "q8", "matmul_address: q4 or q8, not ", kind);
+  return reinterpret_cast<int64_t>(kind == "q4" ? &q4_matmul : &q8_matmul);
+}
 """
 
 
@@ -492,7 +505,7 @@ def _build(build_directory: str | None = None) -> Any:
         return load_inline(
             name="pagebus_quant_cpu",
             cpp_sources=_SOURCE,
-            functions=["q4_mm", "q8_mm", "int8_rows"],
+            functions=["q4_mm", "q8_mm", "int8_rows", "matmul_address"],
             # -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers; without the flag it
             # ran every call on one thread
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -541,6 +554,11 @@ def q8_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     if not available():
         return F.linear(x, dequantize_q8(qs, d))
     return _ops().q8_mm(x, qs, d)
+
+
+def matmul_address(kind: str) -> int:
+    """The address of the C++ `q4`/`q8` matmul taking (x, [its tensors]), for compiled callers."""
+    return int(_ops().matmul_address(kind))
 
 
 def bound_mm(kind: str, tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -178,17 +178,25 @@ class GGUFLinearMethod(LinearMethod):
             y = y + layer.bias
         return y.reshape(*shape[:-1], layer.out_features)
 
+    def _one_kernel(self, layer: Linear) -> bool:
+        """One packed part, no bias, float32 activations on CPU: the C++ matmul is the whole call."""
+        return (
+            len(self.parts) == 1
+            and self.parts[0].kind in ("q4", "q8")
+            and layer.bias is None
+            and layer.weight.is_cpu
+            and torch.get_default_dtype() is torch.float32
+        )
+
     def direct_apply(self, layer: Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        # one packed part, float32 activations, the C++ kernels: the matmul is the whole call
-        if (
-            len(self.parts) != 1
-            or self.parts[0].kind not in ("q4", "q8")
-            or layer.bias is not None
-            or not layer.weight.is_cpu
-            or torch.get_default_dtype() is not torch.float32
-        ):
+        if not self._one_kernel(layer):
             return None
         return cpu_kernels.bound_mm(self.parts[0].kind, self.parts[0].tensors)
+
+    def native_matmul(self, layer: Linear) -> tuple[int, list[torch.Tensor]] | None:
+        if not self._one_kernel(layer) or not cpu_kernels.available():
+            return None
+        return cpu_kernels.matmul_address(self.parts[0].kind), list(self.parts[0].tensors)
 
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         if len(self.parts) != 1:

@@ -1,0 +1,52 @@
+"""The compiled decode stack (kernels/csrc/cpu_ops.cpp DecodeStack, built by workers/models/
+llama.py) runs every layer of a decode-only step in one call: its logits must equal, bit for
+bit, those of the same layers called one by one from Python, for packed GGUF weights and for
+float32 column tiles, with steps of one and of several sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from pagebus.bus.config import EngineConfig
+from pagebus.workers.runner import ModelRunner
+
+from tests.workers.drive import drive_greedy
+
+PROMPTS = {f"p{i}": ([100 + 7 * i + j for j in range(18 + 9 * i)], 10) for i in range(3)}
+
+
+def _logits_of_each_step(runner: ModelRunner) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    seen: list[torch.Tensor] = []
+    forward: Callable[..., torch.Tensor] = runner.model.forward
+
+    def spy(fb):  # type: ignore[no-untyped-def]
+        out = forward(fb)
+        seen.append(out.clone())
+        return out
+
+    runner.model.forward = spy  # type: ignore[method-assign]
+    try:
+        tokens, _ = drive_greedy(runner, PROMPTS)
+    finally:
+        del runner.model.forward
+    return tokens, seen
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "none"])  # Q4_1 packed; dequantized to float32 tiles
+def test_stack_equals_layer_by_layer(default_model: str, quantization: str) -> None:
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=4, quantization=quantization)
+    runner = ModelRunner(cfg, default_model)
+    if runner.ops.decode_stack is None:
+        pytest.skip("the compiled CPU ops did not build: the torch backend has no decode stack")
+    model = runner.model.model
+    with_stack, logits = _logits_of_each_step(runner)
+    assert model._stack is not None and model._stack[1] is not None
+    assert model._stack[1].num_layers() == len(model.held_layers)
+    model.use_decode_stack = False
+    without, ref = _logits_of_each_step(runner)
+    assert with_stack == without
+    assert len(logits) == len(ref)
+    for a, b in zip(logits, ref, strict=True):
+        assert torch.equal(a, b)
