@@ -2,8 +2,9 @@
 
 Layouts (those of workers/layers/quant/cpu_kernels.py, group scales allowed coarser than 32):
 - q4: qs uint8 [N, K / 32, 16]: in block c, byte j holds column 32c + j in its low nibble and
-  32c + 16 + j in its high one; d, m float32 [N, K / gs]: w = d * q + m (GGUF Q4_0/Q4_1 with
-  gs 32; GPTQ/AWQ with m = -d * zero and gs their group size, K for one group per row).
+  32c + 16 + j in its high one; d, m float32 [N, K / gs]: w = d * q + m (GGUF Q4_1 with gs 32;
+  GPTQ/AWQ with m = -d * zero and gs their group size, K for one group per row). Without m
+  (GGUF Q4_0): symmetric, m = -8 d.
 - q8: qs int8 [N, K], d float32 [N, K / gs]: w = d * q (int8 per-channel: gs = K).
 K is a multiple of 32 and gs a multiple of 32 (each step of the K loop reads one 32-wide block,
 inside one group: one d and m per output column) or a divisor of it (GGUF Q6_K's 16).
@@ -18,12 +19,14 @@ import triton.language as tl
 _BLOCK_K = 32
 
 
-def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] from the q4 layout: the kernels' reference, and the fallback where they
-    cannot run."""
+def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, K] from the q4 layout (m None: symmetric, m = -8 d): the kernels' reference,
+    and the fallback where they cannot run."""
     n = qs.shape[0]
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float().reshape(n, -1)
     gs = q.shape[1] // d.shape[1]
+    if m is None:
+        return (q - 8) * d.float().repeat_interleave(gs, dim=1)
     return q * d.float().repeat_interleave(gs, dim=1) + m.float().repeat_interleave(gs, dim=1)
 
 
@@ -115,9 +118,11 @@ def _launch(
     return y
 
 
-def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def q4_matmul(
+    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None
+) -> torch.Tensor:
     """W4A16: x [M, K] @ W^T, W in the q4 layout; the output in x's dtype, accumulated in float32."""
-    return _launch(x, qs, d, m, qs.shape[1] * 32)
+    return _launch(x, qs, d, -8 * d if m is None else m, qs.shape[1] * 32)
 
 
 def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,15 @@ def test_unpacks_to_gguf_dequantizer(qtype: str) -> None:
     assert torch.equal(w.dequantize(), ref)
 
 
+def test_q4_0_holds_no_offsets() -> None:
+    """Symmetric Q4_0 keeps quants and d only (w = d (q - 8)): 20 bytes a group of 32, not 24."""
+    w, ref = _quantized(64, 256, "Q4_0", seed=4)
+    p = _split(w)
+    assert p.kind == "q4" and len(p.tensors) == 2
+    assert sum(t.numel() * t.element_size() for t in p.tensors) == 64 * (256 // 32) * 20
+    assert torch.equal(_dense(p), ref)
+
+
 def _linear(shards: dict[str | int, int], k: int) -> Linear:
     return Linear(k, shards, quant_method=GGUFLinearMethod())
 

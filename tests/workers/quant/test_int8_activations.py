@@ -47,7 +47,8 @@ def test_kernel_equals_emulation_and_error_is_bounded(qtype: str, rows: int, k: 
         torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
         return
     # The m term of q4 multiplies float x, so only d * q sees x's rounding.
-    scaled = dense - p.tensors[2].repeat_interleave(32, dim=1) if p.kind == "q4" else dense
+    m = (p.tensors[2] if len(p.tensors) > 2 else p.tensors[1] * -8.0) if p.kind == "q4" else None
+    scaled = dense - m.repeat_interleave(32, dim=1) if m is not None else dense
     step = x.reshape(rows, -1, 32).abs().amax(-1) / 127  # [rows, groups]
     w_sum = scaled.abs().reshape(scaled.shape[0], -1, 32).sum(-1)  # [N, groups]
     bound = step / 2 @ w_sum.t()

@@ -17,7 +17,8 @@ half a step of x's grid per group, times the group's |w| sum (tests/workers/quan
 
 Layouts (GGUF's own block contents, split into arrays; `G = K / 32` groups per row):
 - q4: qs uint8 [N, G, 16], d and m float32 [N, G]: in group g, byte j holds column 32g+j in
-  its low nibble and 32g+16+j in its high one; w = d * q + m (Q4_0: m = -8d; Q4_1: as stored).
+  its low nibble and 32g+16+j in its high one; w = d * q + m (Q4_1: as stored). Symmetric
+  formats (Q4_0) hold no m: w = d * (q - 8), 20 bytes a group instead of 24.
 - q8: qs int8 [N, K], d float32 [N, K / gs]: w = d * q (Q8_0: gs = 32; int8 per-channel: gs = K).
 
 `make setup` builds them (`python -m pagebus.workers.layers.quant.cpu_kernels --build`) into
@@ -56,7 +57,7 @@ static inline void deq_q4_row(const uint8_t* __restrict__ qs, const float* __res
   const int64_t G = K / 32;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* __restrict__ q = qs + g * 16;
-    const float s = d[g], b = m[g];
+    const float s = d[g], b = m ? m[g] : -8.f * s;
     float* __restrict__ o = out + g * 32;
     for (int j = 0; j < 16; ++j) {
       o[j] = s * (float)(q[j] & 15) + b;
@@ -106,12 +107,12 @@ static void q4_rows(const float* xp, int64_t K, const uint8_t* qs, const float* 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = qs + n * G * 16;
     const float* dn = d + n * G;
-    const float* mn = m + n * G;
+    const float* mn = m ? m + n * G : nullptr;
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       __m512 lo, hi;
-      q4_group(q + g * 16, dn[g], mn[g], lo, hi);
+      q4_group(q + g * 16, dn[g], mn ? mn[g] : -8.f * dn[g], lo, hi);
       for (int r = 0; r < M; ++r) {
         const float* xg = xp + r * K + g * 32;
         acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[r]);
@@ -253,8 +254,10 @@ static void q4_vnni_rows(const QuantX& qx, int64_t r0, const uint8_t* qs, const 
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dwe, sx), acc[r]);
       }
     }
-    for (int r = 0; r < M; ++r) {  // + sum_g m[g] * sum(x in group g)
-      acc[r] = dot_groups(m + n * G, qx.corr.data() + (r0 + r) * G, G, acc[r]);
+    for (int r = 0; r < M; ++r) {  // + sum_g m[g] * sum(x in group g); symmetric: m = -8 d
+      const float* cr = qx.corr.data() + (r0 + r) * G;
+      acc[r] = m ? dot_groups(m + n * G, cr, G, acc[r])
+                 : _mm512_fmadd_ps(_mm512_set1_ps(-8.f), dot_groups(dn, cr, G, _mm512_setzero_ps()), acc[r]);
       yp[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]);
     }
   }
@@ -332,14 +335,14 @@ static void q4_gemv(const float* xp, int64_t M, int64_t K, const uint8_t* qs, co
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = qs + n * G * 16;
     const float* dn = d + n * G;
-    const float* mn = m + n * G;
     for (int64_t r = 0; r < M; ++r) {
       float s = 0;
       for (int64_t g = 0; g < G; ++g)
         for (int j = 0; j < 16; ++j) {
           const float* xg = xp + r * K + g * 32;
-          s += xg[j] * (dn[g] * (float)(q[g * 16 + j] & 15) + mn[g]);
-          s += xg[j + 16] * (dn[g] * (float)(q[g * 16 + j] >> 4) + mn[g]);
+          const float b = m ? m[n * G + g] : -8.f * dn[g];
+          s += xg[j] * (dn[g] * (float)(q[g * 16 + j] & 15) + b);
+          s += xg[j + 16] * (dn[g] * (float)(q[g * 16 + j] >> 4) + b);
         }
       yp[r * N + n] = s;
     }
@@ -369,7 +372,7 @@ static void q8_gemv(const float* xp, int64_t M, int64_t K, int64_t gs, const int
 static inline void deq_q4_row_v(const uint8_t* qs, const float* d, const float* m, int64_t K, float* out) {
   for (int64_t g = 0; g < K / 32; ++g) {
     __m512 lo, hi;
-    q4_group(qs + g * 16, d[g], m[g], lo, hi);
+    q4_group(qs + g * 16, d[g], m ? m[g] : -8.f * d[g], lo, hi);
     _mm512_storeu_ps(out + g * 32, lo);
     _mm512_storeu_ps(out + g * 32 + 16, hi);
   }
@@ -440,7 +443,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::T
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && m.is_contiguous(), "q4 arrays must be contiguous");
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
+  const float* mp = m.numel() ? m.data_ptr<float>() : nullptr;  // none: symmetric (Q4_0), m = -8 d
   const int64_t G = K / 32;
 #ifdef PAGEBUS_VNNI
   if (x.size(0) <= kMaxInt8Rows)
@@ -449,7 +452,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::T
     });
 #endif
   return quant_mm(
-      x, N, K, [&](int64_t n, float* out) { DEQ_Q4_ROW(q + n * G * 16, dp + n * G, mp + n * G, K, out); },
+      x, N, K, [&](int64_t n, float* out) { DEQ_Q4_ROW(q + n * G * 16, dp + n * G, mp ? mp + n * G : nullptr, K, out); },
       [&](const float* xp, int64_t M, float* yp, int64_t n0, int64_t n1) {
         q4_gemv(xp, M, K, q, dp, mp, yp, N, n0, n1);
       });
@@ -481,7 +484,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
 // The matmuls by address, for compiled callers in other extensions (kernels/csrc/cpu_ops.cpp's
 // DecodeStack): same torch headers, so this signature means the same on both sides.
 static torch::Tensor q4_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
-  return q4_mm(x, w[0], w[1], w[2]);
+  return q4_mm(x, w[0], w[1], w.size() > 2 ? w[2] : torch::Tensor(at::empty({0}, w[1].options())));
 }
 static torch::Tensor q8_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
   return q8_mm(x, w[0], w[1]);
@@ -544,10 +547,13 @@ def int8_rows() -> int:
     return int(_ops().int8_rows()) if available() else 0
 
 
-def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+_SYMMETRIC = torch.empty(0)  # q4 without m: w = d * (q - 8)
+
+
+def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
     if not available():
         return F.linear(x, dequantize_q4(qs, d, m))
-    return _ops().q4_mm(x, qs, d, m)
+    return _ops().q4_mm(x, qs, d, _SYMMETRIC if m is None else m)
 
 
 def q8_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -567,7 +573,7 @@ def bound_mm(kind: str, tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tens
     if not available():
         return None
     if kind == "q4":
-        q4, qs, d, m = _ops().q4_mm, *tensors
+        q4, qs, d, m = _ops().q4_mm, *tensors, *([_SYMMETRIC] if len(tensors) == 2 else [])
         return lambda x: q4(x, qs, d, m)
     q8, qs, d = _ops().q8_mm, *tensors
     return lambda x: q8(x, qs, d)

@@ -112,11 +112,21 @@ def _mm(p: _Part, x: torch.Tensor) -> torch.Tensor:
     return packed_mm.matmul(p.kind, x, p.tensors)
 
 
-def _same_layout(a: _Part, b: _Part) -> bool:
-    """Same kernel and group size (Q8_0's 32 and Q6_K's 16 both run as q8 but cannot merge)."""
-    return a.kind == b.kind and all(
-        x.shape[1:] == y.shape[1:] for x, y in zip(a.tensors, b.tensors, strict=True)
-    )
+def _explicit_m(p: _Part) -> _Part:
+    """A symmetric q4 part (Q4_0: no m) with its m = -8 d written out, to merge with one that has m."""
+    return _Part("q4", [*p.tensors, p.tensors[1] * -8.0]) if p.kind == "q4" and len(p.tensors) == 2 else p
+
+
+def _merged(a: _Part, b: _Part) -> _Part | None:
+    """a's rows then b's as one part, where one kernel call can take both: the same kernel and
+    group size (Q8_0's 32 and Q6_K's 16 both run as q8 but cannot merge)."""
+    if a.kind != b.kind:
+        return None
+    if len(a.tensors) != len(b.tensors):  # Q4_0 beside Q4_1/Q4_K
+        a, b = _explicit_m(a), _explicit_m(b)
+    if any(x.shape[1:] != y.shape[1:] for x, y in zip(a.tensors, b.tensors, strict=True)):
+        return None
+    return _Part(a.kind, [torch.cat([x, y]) for x, y in zip(a.tensors, b.tensors, strict=True)])
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -148,11 +158,9 @@ class GGUFLinearMethod(LinearMethod):
         parts: list[_Part] = []
         for key in order:
             p = self.shards[key]
-            if parts and _same_layout(parts[-1], p):  # one matrix, one kernel call
-                prev = parts[-1]
-                parts[-1] = _Part(
-                    p.kind, [torch.cat([a, b]) for a, b in zip(prev.tensors, p.tensors, strict=True)]
-                )
+            merged = _merged(parts[-1], p) if parts else None
+            if merged is not None:  # one matrix, one kernel call
+                parts[-1] = merged
             else:
                 parts.append(p)
         if layer.weight.device.type == "cpu" and not cpu_kernels.available():

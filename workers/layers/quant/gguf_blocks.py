@@ -2,7 +2,8 @@
 no float copy of the matrix: integer quants stay integers, and each group of 32 (or 16)
 weights gets its float32 scale (and offset) folded from the block's own scales.
 
-- Q4_0, Q4_1, Q4_K -> "q4" (qs uint8 [N, G, 16], d and m float32 [N, G], w = d * q + m).
+- Q4_0, Q4_1, Q4_K -> "q4" (qs uint8 [N, G, 16], d and m float32 [N, G], w = d * q + m; Q4_0
+  holds no m: w = d * (q - 8), 20 bytes a group of 32 instead of 24).
   Q4_K's 256-wide super-block holds 8 groups of 32 with 6-bit scale and min indices:
   d = d_super * sc and m = -(dmin_super * mn), which are exactly the products the gguf
   package's dequantizer forms, so every weight comes out bit-identical.
@@ -10,7 +11,7 @@ weights gets its float32 scale (and offset) folded from the block's own scales.
   5-bit quants minus 16 and Q6_K's 6-bit quants minus 32 fit int8; Q6_K has one int8 scale
   per 16 weights, so its gs is 16 (d = d_super * scale).
 
-Held sizes, bits per weight (file / memory): Q4_0 4.5/6, Q4_1 5/6, Q4_K 4.5/6, Q5_0 5.5/9,
+Held sizes, bits per weight (file / memory): Q4_0 4.5/5, Q4_1 5/6, Q4_K 4.5/6, Q5_0 5.5/9,
 Q8_0 8.5/9, Q6_K 6.6/10: the float32 scales cost more than the file's fp16 ones.
 """
 
@@ -60,8 +61,7 @@ def _unpack(qtype: str, b: np.ndarray, rows: int, cols: int) -> tuple[str, list[
     if qtype == "Q8_0":
         return "q8", [b[..., 2:].view(np.int8).reshape(rows, cols), _f16(b[..., 0:2])]
     if qtype == "Q4_0":
-        d = _f16(b[..., 0:2])
-        return "q4", [b[..., 2:], d, d * np.float32(-8.0)]
+        return "q4", [b[..., 2:], _f16(b[..., 0:2])]  # symmetric: no m (the kernels take -8 d)
     if qtype == "Q4_1":
         return "q4", [b[..., 4:], _f16(b[..., 0:2]), _f16(b[..., 2:4])]
     if qtype == "Q5_0":
