@@ -216,6 +216,12 @@ static void quantize_x(const float* xp, int64_t M, int64_t K, bool q4, QuantX& q
   });
 }
 
+// The weights' bytes this far ahead are prefetched by hand: streaming a layer's q4 weights at one
+// row of x, the hardware prefetcher alone left the loads waiting (30 layers + head, one thread:
+// 13.1 -> 9.5 ms with 4 KiB ahead; 2 threads 7.2 -> 5.9 ms; 512 B-16 KiB measured, 4-8 KiB best).
+// Prefetching past a thread's last row (or the tensor) is harmless: prefetches do not fault.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // sum over g < G of w[g] * c[g], added to acc (16 groups at a time).
 static inline __m512 dot_groups(const float* w, const float* c, int64_t G, __m512 acc) {
   for (int64_t g = 0; g < G; g += 16) {
@@ -242,6 +248,7 @@ static void q4_vnni_rows(const QuantX& qx, int64_t r0, const uint8_t* qs, const 
       const __m512i wv = ng == 4 ? _mm512_loadu_si512(q + 64 * c)
                                  : _mm512_maskz_loadu_epi8(~0ULL >> (64 - 16 * ng), q + 64 * c);
       const __m128 dw = ng == 4 ? _mm_loadu_ps(dn + 4 * c) : _mm_maskz_loadu_ps((1 << ng) - 1, dn + 4 * c);
+      _mm_prefetch(reinterpret_cast<const char*>(q + 64 * c + kPrefetchBytes), _MM_HINT_T0);
       const __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
       const __m512 dwe = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(dw));
       const int8_t* xc = qx.q.data() + (c * qx.M + r0) * 128;
@@ -279,6 +286,7 @@ static void q8_vnni_rows(const QuantX& qx, int64_t r0, const int8_t* qs, const f
     for (int64_t c = 0; c < C; ++c) {
       const bool two = G - 2 * c >= 2;
       const __m512i wv = two ? _mm512_loadu_si512(q + 64 * c) : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q + 64 * c);
+      _mm_prefetch(reinterpret_cast<const char*>(q + 64 * c + kPrefetchBytes), _MM_HINT_T0);
       const __m512i w = _mm512_xor_si512(wv, flip);
       __m512 dwe;
       if constexpr (PerRow) {
