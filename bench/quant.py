@@ -1,10 +1,11 @@
 """Quantized weights beside llama.cpp on the same GGUF files, in one run.
 
-    python -m bench.quant [--formats f32 q8_0 q4_0 q4_1 q4_k_m] [--num-requests 32] [--output-len 64]
+    python -m bench.quant [--formats f32 int8 q8_0 q4_0 q4_1 q4_k_m] [--num-requests 32] [--output-len 64]
                           [--single-output-len 128] [--skip-llamacpp]
 
-Per format: pagebus's in-process LLM (fp32 activations; f32 is the file dequantized, the others
-keep their blocks with --quantization gguf) and llama.cpp (bench/peer_runners/llamacpp_runner.py)
+Per format: pagebus's in-process LLM (fp32 activations; f32 is the file dequantized, int8 the F32
+file with --quantization int8 beside llama.cpp's Q8_0, the others keep their blocks with
+--quantization gguf) and llama.cpp (bench/peer_runners/llamacpp_runner.py)
 through the same timing protocol as bench/peers.py: single-stream and N-concurrent greedy output
 tok/s. Also per format: the weight bytes pagebus holds, and greedy agreement with the f32 model
 on the oracle prompts (tests/workers/oracle.py) over --quality-tokens tokens.
@@ -124,7 +125,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 def main() -> None:
     setup_logging()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--formats", nargs="+", default=["f32", "q8_0", "q4_0", "q4_1", "q4_k_m"])
+    ap.add_argument("--formats", nargs="+", default=["f32", "int8", "q8_0", "q4_0", "q4_1", "q4_k_m"])
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
@@ -149,10 +150,15 @@ def main() -> None:
     results: dict[str, Any] = {}
     reference: list[list[int]] | None = None
     for fmt in args.formats:
-        if fmt not in files:
+        # int8: pagebus's --quantization int8 made at load from the F32 file; llama.cpp runs its
+        # nearest format, Q8_0 (8-bit weights too, with a scale per 32 instead of per row)
+        src = "f32" if fmt == "int8" else fmt
+        peer_fmt = "q8_0" if fmt == "int8" else fmt
+        if src not in files:
             results[fmt] = {"skipped": "no such file (see --make-q4-0, bench/setup_peers.sh)"}
             continue
-        path, quantization = files[fmt], "none" if fmt in ("f32", "f16", "bf16") else "gguf"
+        path = files[src]
+        quantization = "int8" if fmt == "int8" else "none" if fmt in ("f32", "f16", "bf16") else "gguf"
         log.info("%s: pagebus (%s) on %s", fmt, quantization, path)
         row: dict[str, Any] = {"file": path, "weight_bytes": weight_bytes(path, quantization)}
         row["pagebus"] = {"loadavg_1m_at_start": os.getloadavg()[0]} | run_pagebus(
@@ -162,13 +168,17 @@ def main() -> None:
         if fmt == "f32":
             reference = tokens
         else:
-            row["greedy_vs_dequantized"] = agreement(tokens, dequantized_tokens(path, args.quality_tokens))
+            if fmt != "int8":  # int8's "dequantized" model is the f32 one
+                row["greedy_vs_dequantized"] = agreement(
+                    tokens, dequantized_tokens(path, args.quality_tokens)
+                )
             if reference is not None:
                 row["greedy_vs_f32"] = agreement(tokens, reference)
-        if manifest and not args.skip_llamacpp:
-            log.info("%s: llama.cpp", fmt)
-            cfg = {"model": path, "options": {"threads": args.threads, "n_batch": 2048, "n_ubatch": 2048,
-                                             "ctx_per_seq": 512, "format": fmt}}  # fmt: skip
+        if manifest and not args.skip_llamacpp and peer_fmt in files:
+            log.info("%s: llama.cpp (%s)", fmt, peer_fmt)
+            row["llamacpp_file"] = files[peer_fmt]
+            cfg = {"model": files[peer_fmt], "options": {"threads": args.threads, "n_batch": 2048,
+                                                         "n_ubatch": 2048, "ctx_per_seq": 512, "format": peer_fmt}}  # fmt: skip
             row["llamacpp"] = {"loadavg_1m_at_start": os.getloadavg()[0]} | run_peer(
                 "llamacpp", manifest, job | cfg, args.peer_timeout
             )
