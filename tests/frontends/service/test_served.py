@@ -184,38 +184,40 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
     timeout before each step (for 2.5 stall timeouts, then at full speed): no token for over two
     stall timeouts, but every step finishes within one."""
     w = served.worker()
-    stop = threading.Event()
+    stop, stopped = threading.Event(), threading.Event()
     states: list[int] = []
 
     def steps() -> float:
         return served.server.metrics()["pagebus:engine_steps_total{}"]
 
     def slow_worker() -> None:
-        # From the request's first step on (tokenizing it is not the worker's to slow down).
-        wait_until(lambda: stop.is_set() or steps() > first, 60, "the first prefill step")
-        # The slow window starts here, not at t0: a loaded machine may tokenize for seconds.
+        # Stopped before the request goes out, so no step runs at full speed before the window.
+        # Between stops it runs in 2 ms bursts until a step is seen: a full-speed step of this tiny
+        # model is shorter than one poll of the metrics, so waiting on a poll lets dozens through.
         start = time.monotonic()
         while not stop.is_set() and time.monotonic() < start + 2.5 * STALL_TIMEOUT:
             before = steps()
             w.suspend()
+            stopped.set()
             stop.wait(STALL_TIMEOUT / 4)  # the rest of the timeout is the step's, even on a loaded box
-            w.resume()
-            # Let it finish the step it is in, then stop it again.
-            wait_until(lambda b=before: stop.is_set() or steps() > b, 60, "a step")
+            while not stop.is_set() and steps() <= before:  # polled while stopped
+                w.resume()
+                time.sleep(0.002)
+                w.suspend()
+        w.resume()
 
     def watch_health() -> None:
         while not stop.is_set():
             states.append(served.health()[0])
             stop.wait(0.2)
 
-    # 1800 tokens, 113 steps of 16: enough left to slow down once the first step is seen, even
-    # on a quiet machine where a full-speed step of this tiny model takes milliseconds.
+    # 1800 tokens, 113 steps of 16: a few steps a second for 2.5 stall timeouts leave most of it.
     prompt = " ".join(["hello world"] * 900)
     threads = [threading.Thread(target=slow_worker), threading.Thread(target=watch_health)]
-    first = steps()
-    t0 = time.monotonic()
     for t in threads:
         t.start()
+    stopped.wait(30)
+    t0 = time.monotonic()
     try:
         conn, resp = _stream(served.server, prompt, 1, OLD_KEY)  # returns at the first token
         served.timings["slow_prefill_s"] = time.monotonic() - t0
