@@ -238,42 +238,52 @@ def qkv_decode_attention(
     )  # fmt: skip
 
 
-# float32 weights on CPUs, held as column tiles (see csrc/cpu_ops.cpp, linear_tiles). Measured
+# Weights on CPUs held as column tiles (see csrc/cpu_ops.cpp, linear_tiles). float32, measured
 # on the default model's layer shapes, one thread, cold weights, against F.linear on the
 # [in, out] layout: 5-160 rows, the tile kernel 1.3-1.7x (32 rows: 84 vs 112 ms for 30 layers;
 # 128 rows: 209 vs 357 ms); 1-4 rows, two tiles streamed at once, 0.9-1.15x per shape (the LM
 # head 9.5 vs 9.1 ms); above 160 rows, torch.bmm over the tiles (MKL's batched GEMM) matched
-# F.linear (512 rows: 1015 vs 1064 ms) where the tile kernel fell behind.
+# F.linear (512 rows: 1015 vs 1064 ms) where the tile kernel fell behind. bfloat16 (AVX-512 BF16
+# machines, vdpbf16ps) takes the tile kernel at every row count: against F.linear (oneDNN) it
+# was 3-20x faster at 1-32 rows and no slower at 512-2048 (bench/linear_layout.py --dtype bfloat16).
 _TILE_ROWS = range(1, 161)
 
 
 def pack_linear(w: torch.Tensor) -> torch.Tensor | None:
-    """A float32 CPU weight [N, K] as [N / TILE, K, TILE] column tiles, or None when this
-    machine or shape cannot use them (no AVX-512 build, N not a multiple of TILE, another dtype)."""
-    if w.dtype is not torch.float32 or not w.is_cpu or w.dim() != 2 or available() is not None:
+    """A CPU weight [N, K] as column tiles: float32 [N / TILE, K, TILE], bfloat16 [N / TILE,
+    K / 2, TILE, 2]; None when this machine or shape cannot use them (no AVX-512 build, or no
+    AVX-512 BF16 one for bfloat16; N not a multiple of TILE; an odd K in bfloat16; another dtype)."""
+    if w.dtype not in _DTYPES or not w.is_cpu or w.dim() != 2 or available() is not None:
         return None
     ops = native_ops()
     if w.shape[0] % ops.TILE or "avx512f" not in _cpu_flags().split():
         return None
+    if w.dtype is torch.bfloat16 and (w.shape[1] % 2 or not ops.bf16_tiles_built()):
+        return None
     return ops.pack_tiles(w)
+
+
+def _tiles_n_k(tiles: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of the matrix a `pack_linear` weight holds."""
+    if tiles.dim() == 4:  # bfloat16: pairs of k
+        return tiles.shape[0] * tiles.shape[2], 2 * tiles.shape[1]
+    return tiles.shape[0] * tiles.shape[2], tiles.shape[1]
 
 
 def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times a `pack_linear` weight (+ bias) -> [..., N]."""
-    num_tiles, k, tile = tiles.shape
+    n, k = _tiles_n_k(tiles)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m in _TILE_ROWS:
+    if m == 0:
+        y = x2.new_empty(0, n)
+    elif m in _TILE_ROWS or tiles.dim() == 4:
         y = native_ops().linear_tiles(x2 if x2.stride(1) == 1 else x2.contiguous(), tiles)
     else:  # [T, M, K] @ [T, K, TILE] -> [T, M, TILE] -> [M, T * TILE]
-        y = (
-            torch.bmm(x2.unsqueeze(0).expand(num_tiles, m, k), tiles)
-            .transpose(0, 1)
-            .reshape(m, num_tiles * tile)
-        )
+        y = torch.bmm(x2.unsqueeze(0).expand(tiles.shape[0], m, k), tiles).transpose(0, 1).reshape(m, n)
     if bias is not None:
         y = y.add_(bias)
-    return y.view(*x.shape[:-1], num_tiles * tile)
+    return y.view(*x.shape[:-1], n)
 
 
 def direct_linear_tiles(
@@ -284,9 +294,10 @@ def direct_linear_tiles(
     if bias is not None:
         return lambda x: linear_tiles(x, tiles, bias)
     kernel = native_ops().linear_tiles
+    rows = range(1, 1 << 62) if tiles.dim() == 4 else _TILE_ROWS
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] in _TILE_ROWS and x.is_contiguous():
+        if x.shape[0] in rows and x.is_contiguous():
             return kernel(x, tiles)
         return linear_tiles(x, tiles)
 
@@ -308,7 +319,7 @@ def embed_tiles(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the [N, K] matrix held as tiles (a tied embedding's lookup)."""
     tile = tiles.shape[2]
     flat = ids.reshape(-1)
-    return tiles[flat // tile, :, flat % tile].view(*ids.shape, tiles.shape[1])
+    return tiles[flat // tile, :, flat % tile].reshape(*ids.shape, _tiles_n_k(tiles)[1])
 
 
 def main() -> int:

@@ -533,139 +533,205 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
   return out.view({ntok, h * d});
 }
 
-// ---------------------------------------------------------------- float32 matmul on column tiles
-// W [N, K] is held as [N / kTile, K, kTile]: each tile's K rows of kTile output columns are one
+// ---------------------------------------------------------------- matmul on column tiles
+// W [N, K] is held as column tiles: each tile's kTile output columns over all of K are one
 // contiguous run, so a tile streams from memory in order and the next tile can be prefetched
 // while the current one is reused from cache by later row blocks of x.
-constexpr int64_t kTileVecs = 3, kTile = 16 * kTileVecs, kRowBlock = 8;
+//   float32:  [N / kTile, K, kTile]        one k a step (FMA: 16 products an instruction)
+//   bfloat16: [N / kTile, K / 2, kTile, 2] a pair of k a step, each column's pair adjacent, as
+//             vdpbf16ps multiplies them (AVX-512 BF16: 32 products an instruction, fp32 sums)
+// Either way a step reads 192 bytes of a tile (3 vectors) for kTile columns.
+constexpr int64_t kTileVecs = 3, kTile = 16 * kTileVecs, kRowBlock = 8, kStepBytes = 64 * kTileVecs;
 
 torch::Tensor pack_tiles(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % kTile == 0, "pack_tiles: [N, K] with N a multiple of ", kTile);
   const int64_t N = w.size(0), K = w.size(1);
+  if (w.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(K % 2 == 0, "pack_tiles: bfloat16 tiles need an even K");
+    return w.reshape({N / kTile, kTile, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
   return w.reshape({N / kTile, kTile, K}).transpose(1, 2).contiguous();
 }
 
 #ifdef __AVX512F__
-// y[r, 0:kTile] = x[r, :] . tile for r < MR; `pf` (if set): one row of the next tile to
-// prefetch per k, `pf_rows` of them.
-template <int MR>
-static inline void tile_rows(const float* __restrict__ x, int64_t ldx, const float* __restrict__ w,
-                             float* __restrict__ y, int64_t ldy, int64_t K, const float* pf, int64_t pf_rows) {
+// One step of the K loop per element type: `kStep` columns of x broadcast, a tile vector
+// loaded, multiplied into fp32 sums, and the sums stored as T.
+template <typename T>
+struct TileStep;
+
+template <>
+struct TileStep<float> {
+  static constexpr int64_t kStep = 1;
+  static __m512 bcast(const float* x, int64_t s) { return _mm512_set1_ps(x[s]); }
+  static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
+  static __m512 madd(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+  static void store(float* y, __m512 acc) { _mm512_storeu_ps(y, acc); }
+};
+
+#ifdef __AVX512BF16__
+template <>
+struct TileStep<bf16> {
+  static constexpr int64_t kStep = 2;
+  static __m512 bcast(const bf16* x, int64_t s) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * s, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 load(const bf16* w) { return _mm512_castsi512_ps(_mm512_loadu_si512(w)); }
+  static __m512 madd(__m512 acc, __m512 x, __m512 w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+  static void store(bf16* y, __m512 acc) {  // rounded to nearest even, as torch rounds
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(acc));
+  }
+};
+#endif
+
+// y[r, 0:kTile] = x[r, :] . tile for r < MR; `pf` (if set): one step of the next tile to
+// prefetch per step, `pf_steps` of them.
+template <typename T, int MR>
+static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, T* __restrict__ y,
+                             int64_t ldy, int64_t steps, const T* pf, int64_t pf_steps) {
+  using S = TileStep<T>;
+  constexpr int64_t E = kTile * S::kStep;  // elements of a tile per step
   __m512 acc[MR][kTileVecs];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if (k < pf_rows) {
-      const char* p = reinterpret_cast<const char*>(pf + k * kTile);
-      _mm_prefetch(p, _MM_HINT_T1);
-      _mm_prefetch(p + 64, _MM_HINT_T1);
-      _mm_prefetch(p + 128, _MM_HINT_T1);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s < pf_steps) {
+      const char* p = reinterpret_cast<const char*>(pf + s * E);
+      for (int64_t b = 0; b < kStepBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
     }
     __m512 wv[kTileVecs];
-    for (int v = 0; v < kTileVecs; ++v) wv[v] = _mm512_loadu_ps(w + k * kTile + 16 * v);
+    for (int v = 0; v < kTileVecs; ++v) wv[v] = S::load(w + s * E + v * (E / kTileVecs));
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+      const __m512 xb = S::bcast(x + r * ldx, s);
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = S::madd(acc[r][v], xb, wv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kTileVecs; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+    for (int v = 0; v < kTileVecs; ++v) S::store(y + r * ldy + 16 * v, acc[r][v]);
 }
 
 // Up to 4 rows of x against two tiles at once: two independent streams from memory, for the
 // GEMV-like calls (decode of one or a few sequences) that wait on DRAM, not on FMAs.
-template <int MR>
-static inline void two_tiles(const float* __restrict__ x, int64_t ldx, const float* __restrict__ wa,
-                             const float* __restrict__ wb, float* __restrict__ ya, float* __restrict__ yb,
-                             int64_t ldy, int64_t K) {
+template <typename T, int MR>
+static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const T* __restrict__ wa,
+                             const T* __restrict__ wb, T* __restrict__ ya, T* __restrict__ yb, int64_t ldy,
+                             int64_t steps) {
+  using S = TileStep<T>;
+  constexpr int64_t E = kTile * S::kStep;
   __m512 acc[MR][2 * kTileVecs];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t s = 0; s < steps; ++s) {
     __m512 wv[2 * kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) {
-      wv[v] = _mm512_loadu_ps(wa + k * kTile + 16 * v);
-      wv[kTileVecs + v] = _mm512_loadu_ps(wb + k * kTile + 16 * v);
+      wv[v] = S::load(wa + s * E + v * (E / kTileVecs));
+      wv[kTileVecs + v] = S::load(wb + s * E + v * (E / kTileVecs));
     }
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+      const __m512 xb = S::bcast(x + r * ldx, s);
+      for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = S::madd(acc[r][v], xb, wv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kTileVecs; ++v) {
-      _mm512_storeu_ps(ya + r * ldy + 16 * v, acc[r][v]);
-      _mm512_storeu_ps(yb + r * ldy + 16 * v, acc[r][kTileVecs + v]);
+      S::store(ya + r * ldy + 16 * v, acc[r][v]);
+      S::store(yb + r * ldy + 16 * v, acc[r][kTileVecs + v]);
     }
 }
 
-static void few_rows(int64_t m, const float* x, int64_t ldx, const float* wa, const float* wb, float* ya, float* yb,
-                     int64_t ldy, int64_t K) {
+template <typename T>
+static void few_rows(int64_t m, const T* x, int64_t ldx, const T* wa, const T* wb, T* ya, T* yb, int64_t ldy,
+                     int64_t steps) {
   switch (m) {
-#define ROWS(R)                                          \
-  case R:                                                \
-    two_tiles<R>(x, ldx, wa, wb, ya, yb, ldy, K);        \
+#define ROWS(R)                                            \
+  case R:                                                  \
+    two_tiles<T, R>(x, ldx, wa, wb, ya, yb, ldy, steps);   \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
   }
 }
 
-static void row_block(int64_t m, const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t K,
-                      const float* pf, int64_t pf_rows) {
+template <typename T>
+static void row_block(int64_t m, const T* x, int64_t ldx, const T* w, T* y, int64_t ldy, int64_t steps, const T* pf,
+                      int64_t pf_steps) {
   switch (m) {
-#define ROWS(R)                                          \
-  case R:                                                \
-    tile_rows<R>(x, ldx, w, y, ldy, K, pf, pf_rows);     \
+#define ROWS(R)                                               \
+  case R:                                                     \
+    tile_rows<T, R>(x, ldx, w, y, ldy, steps, pf, pf_steps);  \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
   }
 }
-#endif
 
-// x [M, K] (rows contiguous) times tiles [N / kTile, K, kTile] -> [M, N]. Row blocks of 8 go
-// through FMAs against a tile held in cache; while a tile's blocks run, the next tile is
-// prefetched a slice per block, so reading W overlaps the arithmetic on the one before.
-torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
-  check_dtype({&x, &tiles}, "linear_tiles");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear_tiles: float32 only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiles.dim() == 3 && tiles.size(2) == kTile &&
-                  tiles.size(1) == x.size(1) && tiles.is_contiguous(),
-              "linear_tiles: x [M, K] with contiguous rows and tiles [N / ", kTile, ", K, ", kTile, "] expected");
-  const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0), N = NT * kTile, ldx = x.stride(0);
-  auto y = torch::empty({M, N}, x.options());
-#ifdef __AVX512F__
-  const float* xp = x.data_ptr<float>();
-  const float* w = tiles.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (M <= 4) {  // pairs of tiles (t, t + half): two streams; an odd count's last tile alone
+// x [M, K] times the tiles -> y [M, N]. Up to 4 rows: tiles in pairs (t, t + half), two
+// streams, an odd count's last tile alone. More: row blocks of 8 go through the multiply-adds
+// against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
+// per block, so reading W overlaps the arithmetic on the one before.
+template <typename T>
+static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M, int64_t K, int64_t NT) {
+  const int64_t N = NT * kTile, steps = K / TileStep<T>::kStep, tile_elems = K * kTile;
+  if (M <= 4) {
     const int64_t half = NT / 2;
     at::parallel_for(0, half + NT % 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         if (p < half)
-          few_rows(M, xp, ldx, w + p * K * kTile, w + (p + half) * K * kTile, yp + p * kTile, yp + (p + half) * kTile,
-                   N, K);
+          few_rows<T>(M, xp, ldx, w + p * tile_elems, w + (p + half) * tile_elems, yp + p * kTile,
+                      yp + (p + half) * kTile, N, steps);
         else
-          row_block(M, xp, ldx, w + (NT - 1) * K * kTile, yp + (NT - 1) * kTile, N, K, nullptr, 0);
+          row_block<T>(M, xp, ldx, w + (NT - 1) * tile_elems, yp + (NT - 1) * kTile, N, steps, nullptr, 0);
       }
     });
-    return y;
+    return;
   }
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock, slice = (K + blocks - 1) / blocks;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock, slice = (steps + blocks - 1) / blocks;
+  constexpr int64_t E = kTile * TileStep<T>::kStep;
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* wt = w + t * K * kTile;
+      const T* wt = w + t * tile_elems;
       for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t k0 = b * slice, rows = t + 1 < t1 ? std::max<int64_t>(0, std::min(slice, K - k0)) : 0;
-        row_block(std::min(kRowBlock, M - b * kRowBlock), xp + b * kRowBlock * ldx, ldx, wt,
-                  yp + b * kRowBlock * N + t * kTile, N, K, wt + K * kTile + k0 * kTile, rows);
+        const int64_t s0 = b * slice, pf = t + 1 < t1 ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
+        row_block<T>(std::min(kRowBlock, M - b * kRowBlock), xp + b * kRowBlock * ldx, ldx, wt,
+                     yp + b * kRowBlock * N + t * kTile, N, steps, wt + tile_elems + s0 * E, pf);
       }
     }
   });
+}
+#endif
+
+bool bf16_tiles_built() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (rows contiguous) times `pack_tiles` tiles -> [M, N], in the tiles' dtype.
+torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
+  const auto st = check_dtype({&x, &tiles}, "linear_tiles");
+  const bool b16 = st == torch::kBFloat16;
+  TORCH_CHECK(!b16 || bf16_tiles_built(), "linear_tiles: bfloat16 tiles need an AVX-512 BF16 build");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiles.is_contiguous() && tiles.dim() == (b16 ? 4 : 3) &&
+                  tiles.size(2) == kTile && tiles.size(1) * (b16 ? 2 : 1) == x.size(1) &&
+                  (!b16 || tiles.size(3) == 2),
+              "linear_tiles: x [M, K] with contiguous rows and tiles [N / ", kTile, ", K, ", kTile,
+              "] (bfloat16: [N / ", kTile, ", K / 2, ", kTile, ", 2]) expected");
+  const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
+  auto y = torch::empty({M, NT * kTile}, x.options());
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+  if (b16) {
+    tiles_kernel<bf16>(x.data_ptr<bf16>(), x.stride(0), tiles.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, NT);
+    return y;
+  }
+#endif
+  tiles_kernel<float>(x.data_ptr<float>(), x.stride(0), tiles.data_ptr<float>(), y.data_ptr<float>(), M, K, NT);
 #else
   // Without AVX-512 (the Python side does not pack there; kept so the module always builds).
-  y.copy_(at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, N}));
+  y.copy_(at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, NT * kTile}));
 #endif
   return y;
 }
@@ -687,7 +753,7 @@ constexpr int64_t kMaxTileRows = 160;  // kernels/cpu_native.py _TILE_ROWS: abov
 torch::Tensor tiles_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
   const auto& tiles = w[0];
   const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
-  if (M <= kMaxTileRows) return linear_tiles(x, tiles);
+  if (M <= kMaxTileRows || tiles.dim() == 4) return linear_tiles(x, tiles);  // bf16: tiles at every M
   return at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, NT * kTile});
 }
 
@@ -756,7 +822,8 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = kTile;
-  m.def("pack_tiles", &pack_tiles, "[N, K] -> [N / TILE, K, TILE]");
+  m.def("pack_tiles", &pack_tiles, "[N, K] -> [N / TILE, K, TILE] (bfloat16: [N / TILE, K / 2, TILE, 2])");
+  m.def("bf16_tiles_built", &bf16_tiles_built, "whether this build multiplies bfloat16 tiles (AVX-512 BF16)");
   m.def("linear_tiles", &linear_tiles, "x [M, K] times column tiles -> [M, N]");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual, and the sum");

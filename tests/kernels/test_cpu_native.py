@@ -212,13 +212,48 @@ def test_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
     torch.testing.assert_close(native.linear_tiles(x.unsqueeze(0), tiles)[0], want - b, atol=1e-4, rtol=1e-4)
 
 
+BF16_TILES = pytest.mark.skipif(
+    not native.native_ops().bf16_tiles_built(), reason="bfloat16 tiles need an AVX-512 BF16 CPU"
+)
+
+
+@BF16_TILES
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 9, 33, 160, 161, 300])
+@pytest.mark.parametrize(("n", "k"), [(96, 576), (48, 70), (144, 1536)])
+def test_bf16_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
+    """bfloat16 tiles at every row count (no batched-GEMM hand-off): float32 sums of exact
+    products, rounded once, so the result is the float32 matmul of the same values rounded to
+    bf16, off by one bf16 ulp where summation order crosses a rounding boundary."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, 2 * k, generator=g).bfloat16()[:, :k]
+    tiles = native.pack_linear(w)
+    assert tiles is not None and tiles.shape == (n // 48, k // 2, 48, 2)
+    got = native.linear_tiles(x, tiles)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    # rounding (half an ulp), one ulp more across a boundary, and float32 summation order
+    bound = 1.5 * torch.finfo(torch.bfloat16).eps * want.abs() + 1e-5 * (
+        x.float().abs() @ w.float().abs().t()
+    )
+    assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
+    assert bool(((got.float() - want).abs() <= bound).all())
+    assert int((got != want.bfloat16()).sum()) <= 0.01 * got.numel()
+    with_bias = native.linear_tiles(x.unsqueeze(0), tiles, b)[0]
+    assert torch.equal(with_bias, got.add(b))
+
+
 def test_tiles_are_refused_where_they_do_not_fit() -> None:
     assert native.pack_linear(torch.randn(50, 64)) is None  # N not a multiple of the tile
-    assert native.pack_linear(torch.randn(48, 64, dtype=torch.bfloat16)) is None
+    assert native.pack_linear(torch.randn(48, 63, dtype=torch.bfloat16)) is None  # odd K: no k pairs
+    assert native.pack_linear(torch.randn(48, 64, dtype=torch.float16)) is None
+    if not native.native_ops().bf16_tiles_built():
+        assert native.pack_linear(torch.randn(48, 64, dtype=torch.bfloat16)) is None
 
 
-def test_embedding_rows_from_tiles() -> None:
-    w = torch.randn(96, 40)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_TILES)])
+def test_embedding_rows_from_tiles(dtype: torch.dtype) -> None:
+    w = torch.randn(96, 40).to(dtype)
     tiles = native.pack_linear(w)
     assert tiles is not None
     ids = torch.tensor([[0, 47, 48], [95, 3, 3]])

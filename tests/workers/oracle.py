@@ -18,14 +18,16 @@ PROMPTS = [
 
 
 @torch.no_grad()
-def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list[int], list[list[int]]]:
-    """Greedy tokens and the top-2 ids at every step, with HF's own KV cache."""
+def hf_greedy(
+    model: torch.nn.Module, ids: list[int], steps: int, top: int = 2
+) -> tuple[list[int], list[list[int]]]:
+    """Greedy tokens and the `top` highest ids at every step, with HF's own KV cache."""
     out = model(torch.tensor([ids]), use_cache=True)
     tokens: list[int] = []
     top2: list[list[int]] = []
     for _ in range(steps):
         logits = out.logits[0, -1]
-        top2.append(logits.topk(2).indices.tolist())
+        top2.append(logits.topk(top).indices.tolist())
         tok = int(logits.argmax())
         tokens.append(tok)
         out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)

@@ -171,13 +171,14 @@ class Model(DirectCall):
         """The backend's compiled decode stack for this step, or None where the layers run one by
         one: steps with prefill tokens, fp8 caches, other dtypes, tensor parallelism (its
         all-reduces), qk-norm, and layers whose matmuls only Python can run (a bias, mixed GGUF
-        types, bf16). The same ops in the same order either way: results are bitwise equal."""
+        types, bf16 without AVX-512 BF16 tiles). The same ops in the same order either way:
+        results are bitwise equal."""
         if (
             not self.use_decode_stack
             or fb.max_query_len != 1
             or fb.kv_scales is not None
             or fb.ops.decode_stack is None
-            or x.dtype is not torch.float32
+            or x.dtype not in (torch.float32, torch.bfloat16)
             or cos_sin.dtype is not torch.float32
             or fb.block_tables.dtype is not torch.int32
             or fb.seq_lens.dtype is not torch.int32
@@ -185,10 +186,10 @@ class Model(DirectCall):
         ):
             return None
         if self._stack is None or self._stack[0] is not fb.kv_caches:
-            self._stack = (fb.kv_caches, self._build_stack(fb))
+            self._stack = (fb.kv_caches, self._build_stack(fb, x.dtype))
         return self._stack[1]
 
-    def _build_stack(self, fb: ForwardBatch) -> Any | None:
+    def _build_stack(self, fb: ForwardBatch, dtype: torch.dtype) -> Any | None:
         assert fb.ops.decode_stack is not None
         if self.parallel.tp_size != 1 or not self.held_layers:
             return None
@@ -204,7 +205,7 @@ class Model(DirectCall):
                 attn.q_norm is not None
                 or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
                 or any(mm is None for mm in mms)
-                or any(w.dtype is not torch.float32 for w in (*norms, k_cache, v_cache))
+                or any(w.dtype is not dtype for w in (*norms, k_cache, v_cache))
                 or k_cache.stride(-1) != 1
                 or k_cache.stride() != v_cache.stride()
             ):
