@@ -14,7 +14,7 @@ from pagebus.bus.config import EngineConfig, make_engine_config
 _HELP = {
     "model": "a .gguf file or an HF directory (config.json + safetensors); default: SmolLM2-135M-Instruct",
     "tokenizer": "tokenizer directory or model file; default: the model's own",
-    "dtype": "auto picks bfloat16 on GPUs and CPUs with AVX-512 BF16, else float32",
+    "dtype": "auto picks bfloat16 on GPUs and CPUs with AVX-512 BF16, else float32 (and float32 for quantized weights on CPUs)",
     "kv_cache_memory": "bytes for the KV cache (default 1 GiB on CPU)",
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",

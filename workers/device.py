@@ -37,11 +37,15 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16/AMX), float32 elsewhere."""
+def pick_dtype(cfg: EngineConfig, device: torch.device, held: str = "none") -> torch.dtype:
+    """auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16/AMX), float32 elsewhere;
+    and float32 on CPUs for weights held quantized (`held`, quant/select.py resolve), whose CPU
+    kernels take float32 activations (as llama.cpp's do): in bf16 every matmul would convert."""
     if cfg.dtype != "auto":
         return _DTYPES[cfg.dtype]
-    if device.type == "cuda" or cpu_has_bf16():
+    if device.type == "cuda":
+        return torch.bfloat16
+    if cpu_has_bf16() and held == "none":
         return torch.bfloat16
     return torch.float32
 

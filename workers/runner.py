@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pagebus.bus.config import EngineConfig, cuda_graph_batch_sizes, steps_in_flight
@@ -99,6 +100,13 @@ class _Step:
     every_row_samples: bool  # a replay's first num_seqs rows are the logits, in order
 
 
+def held_format(path: str, load_format: str, quantization: str | None) -> tuple[dict[str, Any] | None, str]:
+    """(the checkpoint's declared quantization_config, the format its weights are held in)."""
+    # dummy weights are random floats whatever the checkpoint declares
+    declared = None if load_format == "dummy" else quant_select.checkpoint_quant_config(path)
+    return declared, quant_select.resolve(quantization, is_gguf(path) and load_format != "dummy", declared)
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
@@ -108,9 +116,7 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[torch.nn.Module, ModelConfig]:
     mc = read_config(path)
-    # dummy weights are random floats whatever the checkpoint declares
-    declared = None if load_format == "dummy" else quant_select.checkpoint_quant_config(path)
-    held = quant_select.resolve(quantization, is_gguf(path) and load_format != "dummy", declared)
+    declared, held = held_format(path, load_format, quantization)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -152,7 +158,9 @@ class ModelRunner:
         self.cfg = cfg
         self.parallel = parallel or SINGLE  # this rank's share of the model and its groups
         self.device = pick_device(cfg, rank)
-        self.dtype = pick_dtype(cfg, self.device)
+        self.dtype = pick_dtype(
+            cfg, self.device, held_format(model_path, cfg.load_format, cfg.quantization)[1]
+        )
         # Several steps in flight (scheduler/virtual.py): a stage before the last returns once its
         # activations are sent and learns the sampled tokens from later plans (CachedSeq.new_token_ids).
         self.tokens_from_plan = steps_in_flight(cfg, self.device.type) > 1
