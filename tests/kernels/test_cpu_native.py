@@ -171,12 +171,13 @@ def test_fused_decode_attention_declines_prefill_tokens() -> None:
         )
 
 
+@DTYPES
 @pytest.mark.parametrize("head_dim", [128, 32])  # the 16-wide fast path's other size, and the general loop
-def test_attention_other_head_dims(head_dim: int) -> None:
-    batch = make_batch(DECODES + MIXED, 8, 2, head_dim)
+def test_attention_other_head_dims(head_dim: int, dtype: torch.dtype) -> None:
+    batch = make_batch(DECODES + MIXED, 8, 2, head_dim, dtype=dtype)
     ref = paged_attention_ref(*batch.args(), 0.125)
     got = native.paged_attention(*batch.args(), 0.125, max_query_len=129)
-    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
 def test_other_dtypes_run_the_torch_backend() -> None:
