@@ -1,9 +1,10 @@
 """Quantized weights beside llama.cpp on the same GGUF files, in one run.
 
-    python -m bench.quant [--formats f32 int8 q8_0 q4_0 q4_1 q4_k_m] [--num-requests 32] [--output-len 64]
+    python -m bench.quant [--formats f32 bf16 int8 q8_0 q4_0 q4_1 q4_k_m] [--num-requests 32] [--output-len 64]
                           [--single-output-len 128] [--skip-llamacpp]
 
-Per format: pagebus's in-process LLM (fp32 activations; f32 is the file dequantized, int8 the F32
+Per format: pagebus's in-process LLM (fp32 activations; f32 is the file dequantized, bf16 the BF16
+file in bfloat16 where the CPU has native bf16, int8 the F32
 file with --quantization int8 beside llama.cpp's Q8_0, the others keep their blocks with
 --quantization gguf) and llama.cpp (bench/peer_runners/llamacpp_runner.py)
 through the same timing protocol as bench/peers.py: single-stream and N-concurrent greedy output
@@ -59,24 +60,26 @@ def model_files(manifest: dict[str, Any] | None, make_q4_0: bool) -> dict[str, s
     return files
 
 
-def weight_bytes(path: str, quantization: str) -> int:
+def weight_bytes(path: str, quantization: str, dtype: str = "float32") -> int:
     import torch
     from pagebus.workers.loader import resident_weight_bytes
     from pagebus.workers.runner import load_model
 
-    model, _ = load_model(path, torch.float32, torch.device("cpu"), quantization=quantization)
+    model, _ = load_model(path, getattr(torch, dtype), torch.device("cpu"), quantization=quantization)
     n = resident_weight_bytes(model)
     del model
     gc.collect()
     return n
 
 
-def run_pagebus(path: str, quantization: str, job: dict[str, Any], quality_tokens: int) -> dict[str, Any]:
+def run_pagebus(
+    path: str, quantization: str, job: dict[str, Any], quality_tokens: int, dtype: str = "float32"
+) -> dict[str, Any]:
     from pagebus import LLM, SamplingParams
     from tests.workers.oracle import PROMPTS
 
     t = time.perf_counter()
-    llm = LLM(path, dtype="float32", seed=0, enable_prefix_caching=False, quantization=quantization)
+    llm = LLM(path, dtype=dtype, seed=0, enable_prefix_caching=False, quantization=quantization)
     load_s = round(time.perf_counter() - t, 2)
 
     def generate(prompts: list[list[int]], n: int) -> list[int]:
@@ -85,9 +88,12 @@ def run_pagebus(path: str, quantization: str, job: dict[str, Any], quality_token
         return [len(o.outputs[0].token_ids) for o in outs]
 
     try:
-        result = {"engine": "pagebus", "quantization": quantization, "load_s": load_s} | measure(
-            job, generate
-        )
+        result = {
+            "engine": "pagebus",
+            "quantization": quantization,
+            "dtype": dtype,
+            "load_s": load_s,
+        } | measure(job, generate)
         params = SamplingParams(temperature=0.0, max_tokens=quality_tokens, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         result["oracle_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
@@ -125,7 +131,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 def main() -> None:
     setup_logging()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--formats", nargs="+", default=["f32", "int8", "q8_0", "q4_0", "q4_1", "q4_k_m"])
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["f32", "bf16", "int8", "q8_0", "q4_0", "q4_1", "q4_k_m"],
+        help="bf16: the BF16 file in bfloat16 (skipped where the CPU has no native bf16)",
+    )
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
@@ -149,7 +160,12 @@ def main() -> None:
     }  # fmt: skip
     results: dict[str, Any] = {}
     reference: list[list[int]] | None = None
+    from pagebus.workers.device import cpu_has_bf16
+
     for fmt in args.formats:
+        if fmt == "bf16" and not cpu_has_bf16():
+            results[fmt] = {"skipped": "no native bf16 on this CPU (emulated: not a configuration to run)"}
+            continue
         # int8: pagebus's --quantization int8 made at load from the F32 file; llama.cpp runs its
         # nearest format, Q8_0 (8-bit weights too, with a scale per 32 instead of per row)
         src = "f32" if fmt == "int8" else fmt
@@ -159,16 +175,17 @@ def main() -> None:
             continue
         path = files[src]
         quantization = "int8" if fmt == "int8" else "none" if fmt in ("f32", "f16", "bf16") else "gguf"
-        log.info("%s: pagebus (%s) on %s", fmt, quantization, path)
-        row: dict[str, Any] = {"file": path, "weight_bytes": weight_bytes(path, quantization)}
+        dtype = "bfloat16" if fmt == "bf16" else "float32"  # the packed kernels take float32 x
+        log.info("%s: pagebus (%s, %s) on %s", fmt, quantization, dtype, path)
+        row: dict[str, Any] = {"file": path, "weight_bytes": weight_bytes(path, quantization, dtype)}
         row["pagebus"] = {"loadavg_1m_at_start": os.getloadavg()[0]} | run_pagebus(
-            path, quantization, job, args.quality_tokens
+            path, quantization, job, args.quality_tokens, dtype
         )
         tokens = row["pagebus"].pop("oracle_tokens")
         if fmt == "f32":
             reference = tokens
         else:
-            if fmt != "int8":  # int8's "dequantized" model is the f32 one
+            if fmt not in ("int8", "bf16"):  # int8's "dequantized" model is the f32 one
                 row["greedy_vs_dequantized"] = agreement(
                     tokens, dequantized_tokens(path, args.quality_tokens)
                 )

@@ -173,8 +173,9 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """`paged_attention_cpu`'s contract. One-token queries run compiled, in place on the caches;
-    prefill chunks go through SDPA one sequence at a time, as in the torch backend."""
+    """`paged_attention_cpu`'s contract, compiled and in place on the caches: one-token queries
+    (decode_attention), then prefill chunks (prefill_attention: 16-token blocks of head_dim 64 or
+    128); other prefill chunks go through SDPA one sequence at a time, as in the torch backend."""
     native = (
         _native(q, k_cache, v_cache)
         and k_scale == 1.0
@@ -193,6 +194,10 @@ def paged_attention(
     out = torch.empty_like(q)
     native_ops().decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if max_query_len == 1:
+        return out
+    if native_ops().prefill_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+    ):
         return out
     starts = query_start_loc_host if query_start_loc_host is not None else query_start_loc.tolist()
     lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()

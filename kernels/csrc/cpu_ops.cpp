@@ -526,6 +526,233 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 }
 
 
+#ifdef __AVX512F__
+// e^x of 16 floats: fast_exp's range reduction and polynomial, lane by lane.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+
+// 16 rows of 16 floats -> 16 columns: r[i] lane j becomes r[j] lane i.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], _MM_SHUFFLE(2, 0, 2, 0));
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], _MM_SHUFFLE(3, 1, 3, 1));
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], _MM_SHUFFLE(2, 0, 2, 0));
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+// RB query rows (float32, pre-scaled; `valid[r]` of the 16 keys visible to row r, <= 0: none)
+// against one 16-key block: kt [d][16] (K transposed), vb [16][d] (V), both float32. Updates
+// each row's running max m, sum l and unnormalised output o (flash attention's online softmax).
+// RB rows at once share every K and V load and keep 2 * RB (scores) and RB * NV (outputs)
+// independent FMA chains in flight.
+template <int NV, int RB>
+inline void flash_rows(const float* q, const float* kt, const float* vb, const int64_t* valid, float* m, float* l,
+                       float* o) {
+  constexpr int64_t d = 16 * NV;
+  __m512 acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 2) {
+    const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
+    for (int r = 0; r < RB; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c]), k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c + 1]), k1, acc[r][1]);
+    }
+  }
+  alignas(64) float pj[RB][16];
+  float alpha[RB];
+  int64_t kmax = 0;
+  for (int r = 0; r < RB; ++r) {
+    if (valid[r] <= 0) {  // every key of this block is after row r's position
+      _mm512_store_ps(pj[r], _mm512_setzero_ps());
+      alpha[r] = 1.f;
+      continue;
+    }
+    const int64_t n = std::min<int64_t>(16, valid[r]);
+    kmax = std::max(kmax, n);
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 sv = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                           _mm512_add_ps(acc[r][0], acc[r][1]));
+    const float mnew = std::max(m[r], _mm512_reduce_max_ps(sv));
+    alpha[r] = fast_exp(m[r] - mnew);
+    const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
+    m[r] = mnew;
+    _mm512_store_ps(pj[r], p);
+  }
+  __m512 out[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NV; ++c) out[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + 16 * c), _mm512_set1_ps(alpha[r]));
+  for (int64_t k = 0; k < kmax; ++k) {
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vb + k * d + 16 * c);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pk = _mm512_set1_ps(pj[r][k]);
+      for (int c = 0; c < NV; ++c) out[r][c] = _mm512_fmadd_ps(pk, vv[c], out[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, out[r][c]);
+}
+
+// Prefill chunks (sequences with several query tokens), reading the paged caches in place:
+// causal attention with an online softmax (flash attention's), one work item per (sequence,
+// KV head, 16 query positions) for all the query heads sharing that KV head. Each 16-token
+// block of K is transposed and V widened once per item into float32 buffers; query rows then
+// score the 16 keys in one vector each (no horizontal sums) and add 16 V rows (flash_rows).
+// Rows at position p see keys 0..p (the chunk's own and the cached context before it).
+// torch's SDPA, which this replaces for bf16/fp32 caches of 16-token blocks, ran these shapes
+// at 80-145 GFLOP/s on two threads, after a gather and an upcast of each sequence's K/V.
+template <int NV, typename T>
+void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
+                  int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
+                  int64_t h, int64_t kvh, float sc) {
+  constexpr int64_t d = 16 * NV, bs = 16, QB = 16;
+  const int64_t group = h / kvh;
+  std::vector<int64_t> first(static_cast<size_t>(B + 1), 0);  // first work item of each sequence
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qp0[b + 1] - qp0[b];
+    first[b + 1] = first[b] + (n > 1 ? kvh * ((n + QB - 1) / QB) : 0);
+  }
+  at::parallel_for(0, first[B], 1, [&](int64_t w0, int64_t w1) {
+    // 64-byte aligned scratch: every vector load and store of it stays within one cache line
+    // (16 x 128-token prompts, one layer: 2.41 -> 2.14 ms with them aligned)
+    alignas(64) float kt[d * bs], vb[bs * d];
+    std::vector<float> qo(static_cast<size_t>(2 * group * QB * d + 16)), m(static_cast<size_t>(group * QB)),
+        l(static_cast<size_t>(group * QB));
+    float* qf = qo.data() + (16 - reinterpret_cast<uintptr_t>(qo.data()) / 4 % 16) % 16;
+    float* o = qf + group * QB * d;
+    int64_t b = 0;
+    for (int64_t w = w0; w < w1; ++w) {
+      while (first[b + 1] <= w) ++b;
+      const int64_t qlen = qp0[b + 1] - qp0[b], L = lp[b], ctx = L - qlen, blocks_q = (qlen + QB - 1) / QB;
+      const int64_t g = (w - first[b]) / blocks_q, i0 = (w - first[b]) % blocks_q * QB;
+      const int64_t rows = std::min(QB, qlen - i0), t0 = qp0[b] + i0;
+      const int32_t* table = btp + b * width;
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t r = 0; r < rows; ++r) {
+          const T* src = qp + (t0 + r) * qs + (g * group + j) * d;
+          float* dst = qf + (j * QB + r) * d;
+          for (int64_t c = 0; c < d; ++c) dst[c] = f32(src[c]) * sc;
+        }
+      std::fill(o, o + group * QB * d, 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t last = ctx + i0 + rows - 1;  // the last position of these rows
+      for (int64_t j0 = 0; j0 <= last; j0 += bs) {
+        const int64_t n = std::min(bs, L - j0);
+        const T* kb = kc + table[j0 / bs] * s0 + g * s2;
+        const T* vbk = vc + table[j0 / bs] * s0 + g * s2;
+        for (int c = 0; c < NV; ++c) {  // K transposed 16 columns at a time; V widened in place
+          __m512 rows16[16];
+          for (int64_t k = 0; k < bs; ++k) {
+            rows16[k] = k < n ? load16(kb + k * s1 + 16 * c) : _mm512_setzero_ps();
+            _mm512_storeu_ps(vb + k * d + 16 * c, k < n ? load16(vbk + k * s1 + 16 * c) : _mm512_setzero_ps());
+          }
+          transpose16(rows16);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * bs, rows16[i]);
+        }
+        constexpr int RB = NV <= 4 ? 4 : 2;
+        int64_t valid[QB];
+        for (int64_t r = 0; r < rows; ++r) valid[r] = ctx + i0 + r - j0 + 1;  // keys <= this position
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t at = j * QB;
+          int64_t r = 0;
+          for (; r + RB <= rows; r += RB)
+            flash_rows<NV, RB>(qf + (at + r) * d, kt, vb, valid + r, m.data() + at + r,
+                               l.data() + at + r, o + (at + r) * d);
+          for (; r < rows; ++r)
+            flash_rows<NV, 1>(qf + (at + r) * d, kt, vb, valid + r, m.data() + at + r,
+                              l.data() + at + r, o + (at + r) * d);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float inv = 1.0f / l[j * QB + r];
+          const float* orow = o + (j * QB + r) * d;
+          T* dst = op0 + (t0 + r) * os + (g * group + j) * d;
+          for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), _mm512_set1_ps(inv)));
+        }
+    }
+  });
+}
+#endif
+
+// The prefill chunks' attention (sequences with several query tokens) into their rows of out;
+// other rows are left untouched. False (nothing done: the caller runs torch's) unless the
+// caches hold 16-token blocks of head_dim 64 or 128 in float32 (or bf16 on AVX-512 BF16 builds).
+bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                       double scale) {
+  const auto st = check_dtype({&out, &q, &k_cache, &v_cache}, "prefill_attention");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32,
+              "prefill_attention: int32 block tables, lengths and query starts expected");
+  const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "prefill_attention: head counts or sizes disagree");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
+              "prefill_attention: head vectors must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              "prefill_attention: caches must hold contiguous head vectors, in one layout");
+#ifdef __AVX512F__
+  if (bs != 16 || (d != 64 && d != 128)) return false;
+#ifndef __AVX512BF16__
+  if (st != torch::kFloat32) return false;
+#endif
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  const int64_t B = lens.size(0), width = bt.size(1);
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* qp0 = qsl.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qp0[b + 1] - qp0[b];
+    if (n > 1) TORCH_CHECK(lp[b] >= n && lp[b] <= width * bs, "prefill_attention: bad length");
+  }
+  const float sc = static_cast<float>(scale);
+#define ROWS(T)                                                                                                  \
+  (d == 64 ? prefill_rows<4, T> : prefill_rows<8, T>)(                                                           \
+      out.data_ptr<T>(), out.stride(0), q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), \
+      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.data_ptr<int32_t>(), width, lp, qp0, B, h, kvh, sc)
+  if (st == torch::kFloat32) {
+    ROWS(float);
+    return true;
+  }
+#ifdef __AVX512BF16__
+  ROWS(bf16);
+  return true;
+#endif
+#undef ROWS
+#endif
+  return false;
+}
+
 // A decode step's whole attention from the fused QKV projection, in one call: q rotated into
 // the output rows, k rotated and v copied straight into their cache slots, then
 // decode_attention in place (each sequence reads its own q row before writing that row).
@@ -877,6 +1104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "NeoX rotary of q and k into one new buffer");
   m.def("write_kv", &write_kv, "scatter K/V rows into their cache slots");
   m.def("decode_attention", &decode_attention, "paged attention of the one-token queries");
+  m.def("prefill_attention", &prefill_attention, "paged causal attention of the prefill chunks (False: not taken)");
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
   pybind11::class_<DecodeStack>(m, "DecodeStack")

@@ -106,9 +106,13 @@ def test_write_kv_refuses_a_slot_past_the_cache() -> None:
         )
 
 
+# whole prompts (partial 16-query and 16-key blocks), a chunk on a block boundary, two tokens
+PREFILLS = [(40, 0), (17, 0), (16, 16), (2, 0), (1, 7)]
+
+
 @DTYPES
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (9, 3), (8, 1)])
-@pytest.mark.parametrize("seqs", [DECODES, MIXED], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("seqs", [DECODES, MIXED, PREFILLS], ids=["decodes", "mixed", "prefills"])
 def test_attention(
     seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
