@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -567,22 +568,51 @@ inline void transpose16(__m512* r) {
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
   }
 }
+// Whether prefill scores multiply bf16 pairs (vdpbf16ps) rather than float32 values.
+template <typename T>
+constexpr bool kPairScores = false;
+#ifdef __AVX512BF16__
+template <>
+constexpr bool kPairScores<bf16> = true;
+#endif
+
 // RB query rows (float32, pre-scaled; `valid[r]` of the 16 keys visible to row r, <= 0: none)
 // against one 16-key block: kt [d][16] (K transposed), vb [16][d] (V), both float32. Updates
 // each row's running max m, sum l and unnormalised output o (flash attention's online softmax).
 // RB rows at once share every K and V load and keep 2 * RB (scores) and RB * NV (outputs)
 // independent FMA chains in flight.
-template <int NV, int RB>
-inline void flash_rows(const float* q, const float* kt, const float* vb, const int64_t* valid, float* m, float* l,
-                       float* o) {
+// float32 caches: q float32, pre-scaled, kt [d][16]. bf16 caches (T = bf16): q the raw bf16
+// rows and kt [d / 2][16] pairs of K, multiplied by vdpbf16ps (products of bf16 values are
+// exact in float32, as the float path's are), the scale applied to the sums: half the
+// instructions of the float path for the scores.
+template <int NV, int RB, typename T>
+inline void flash_rows(const void* qv, const float* kt, const float* vb, const int64_t* valid, float* m, float* l,
+                       float* o, float sc) {
   constexpr int64_t d = 16 * NV;
   __m512 acc[RB][2];
   for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 2) {
-    const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
-    for (int r = 0; r < RB; ++r) {
-      acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c]), k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c + 1]), k1, acc[r][1]);
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, bf16>) {
+    const int32_t* q = static_cast<const int32_t*>(qv);  // pairs of bf16
+    for (int64_t c = 0; c < d / 2; c += 2) {
+      const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
+      for (int r = 0; r < RB; ++r) {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(q[r * d / 2 + c]), (__m512bh)k0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(q[r * d / 2 + c + 1]), (__m512bh)k1);
+      }
+    }
+    for (int r = 0; r < RB; ++r) acc[r][0] = _mm512_mul_ps(acc[r][0], _mm512_set1_ps(sc));
+    for (int r = 0; r < RB; ++r) acc[r][1] = _mm512_mul_ps(acc[r][1], _mm512_set1_ps(sc));
+  } else
+#endif
+  {
+    const float* q = static_cast<const float*>(qv);
+    for (int64_t c = 0; c < d; c += 2) {
+      const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
+      for (int r = 0; r < RB; ++r) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c]), k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c + 1]), k1, acc[r][1]);
+      }
     }
   }
   alignas(64) float pj[RB][16];
@@ -655,11 +685,16 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
       const int64_t g = (w - first[b]) / blocks_q, i0 = (w - first[b]) % blocks_q * QB;
       const int64_t rows = std::min(QB, qlen - i0), t0 = qp0[b] + i0;
       const int32_t* table = btp + b * width;
+      constexpr bool pairs = kPairScores<T>;  // bf16 scores by vdpbf16ps (flash_rows)
       for (int64_t j = 0; j < group; ++j)
         for (int64_t r = 0; r < rows; ++r) {
           const T* src = qp + (t0 + r) * qs + (g * group + j) * d;
-          float* dst = qf + (j * QB + r) * d;
-          for (int64_t c = 0; c < d; ++c) dst[c] = f32(src[c]) * sc;
+          if constexpr (pairs) {
+            std::memcpy(reinterpret_cast<T*>(qf) + (j * QB + r) * d, src, d * sizeof(T));
+          } else {
+            float* dst = qf + (j * QB + r) * d;
+            for (int64_t c = 0; c < d; ++c) dst[c] = f32(src[c]) * sc;
+          }
         }
       std::fill(o, o + group * QB * d, 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -669,27 +704,35 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
         const int64_t n = std::min(bs, L - j0);
         const T* kb = kc + table[j0 / bs] * s0 + g * s2;
         const T* vbk = vc + table[j0 / bs] * s0 + g * s2;
-        for (int c = 0; c < NV; ++c) {  // K transposed 16 columns at a time; V widened in place
+        for (int c = 0; c < NV; ++c) {  // K transposed 16 columns (bf16: pairs) at a time; V widened
           __m512 rows16[16];
           for (int64_t k = 0; k < bs; ++k) {
-            rows16[k] = k < n ? load16(kb + k * s1 + 16 * c) : _mm512_setzero_ps();
             _mm512_storeu_ps(vb + k * d + 16 * c, k < n ? load16(vbk + k * s1 + 16 * c) : _mm512_setzero_ps());
+            if (pairs && c >= NV / 2) continue;
+            rows16[k] = k >= n ? _mm512_setzero_ps()
+                        : pairs ? _mm512_castsi512_ps(_mm512_loadu_si512(kb + k * s1 + 32 * c))
+                                : load16(kb + k * s1 + 16 * c);
           }
+          if (pairs && c >= NV / 2) continue;
           transpose16(rows16);
           for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * bs, rows16[i]);
         }
         constexpr int RB = NV <= 4 ? 4 : 2;
+        auto qrow = [&](int64_t i) -> const void* {
+          if constexpr (pairs) return reinterpret_cast<const T*>(qf) + i * d;
+          return qf + i * d;
+        };
         int64_t valid[QB];
         for (int64_t r = 0; r < rows; ++r) valid[r] = ctx + i0 + r - j0 + 1;  // keys <= this position
         for (int64_t j = 0; j < group; ++j) {
           const int64_t at = j * QB;
           int64_t r = 0;
           for (; r + RB <= rows; r += RB)
-            flash_rows<NV, RB>(qf + (at + r) * d, kt, vb, valid + r, m.data() + at + r,
-                               l.data() + at + r, o + (at + r) * d);
+            flash_rows<NV, RB, T>(qrow(at + r), kt, vb, valid + r, m.data() + at + r, l.data() + at + r,
+                                  o + (at + r) * d, sc);
           for (; r < rows; ++r)
-            flash_rows<NV, 1>(qf + (at + r) * d, kt, vb, valid + r, m.data() + at + r,
-                              l.data() + at + r, o + (at + r) * d);
+            flash_rows<NV, 1, T>(qrow(at + r), kt, vb, valid + r, m.data() + at + r, l.data() + at + r,
+                                 o + (at + r) * d, sc);
         }
       }
       for (int64_t j = 0; j < group; ++j)
