@@ -248,10 +248,16 @@ def qkv_decode_attention(
 # [in, out] layout: 5-160 rows, the tile kernel 1.3-1.7x (32 rows: 84 vs 112 ms for 30 layers;
 # 128 rows: 209 vs 357 ms); 1-4 rows, two tiles streamed at once, 0.9-1.15x per shape (the LM
 # head 9.5 vs 9.1 ms); above 160 rows, torch.bmm over the tiles (MKL's batched GEMM) matched
-# F.linear (512 rows: 1015 vs 1064 ms) where the tile kernel fell behind. bfloat16 (AVX-512 BF16
-# machines, vdpbf16ps) takes the tile kernel at every row count: against F.linear (oneDNN) it
-# was 3-20x faster at 1-32 rows and no slower at 512-2048 (bench/linear_layout.py --dtype bfloat16).
-_TILE_ROWS = range(1, 161)
+# F.linear (512 rows: 1015 vs 1064 ms) where the tile kernel fell behind, on Intel CPUs; elsewhere
+# MKL takes a generic path and the tile kernel serves every row count (csrc max_tile_rows).
+# bfloat16 (AVX-512 BF16 machines, vdpbf16ps) takes the tile kernel at every row count: against
+# F.linear (oneDNN) it was 3-20x faster at 1-32 rows and no slower at 512-2048.
+
+
+@functools.cache
+def _tile_rows() -> range:
+    """float32 row counts the tile kernel takes (above them, MKL's batched GEMM)."""
+    return range(1, min(native_ops().max_tile_rows(), 1 << 62) + 1)
 
 
 def pack_linear(w: torch.Tensor) -> torch.Tensor | None:
@@ -282,7 +288,7 @@ def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     m = x2.shape[0]
     if m == 0:
         y = x2.new_empty(0, n)
-    elif m in _TILE_ROWS or tiles.dim() == 4:
+    elif m in _tile_rows() or tiles.dim() == 4:
         y = native_ops().linear_tiles(x2 if x2.stride(1) == 1 else x2.contiguous(), tiles)
     else:  # [T, M, K] @ [T, K, TILE] -> [T, M, TILE] -> [M, T * TILE]
         y = torch.bmm(x2.unsqueeze(0).expand(tiles.shape[0], m, k), tiles).transpose(0, 1).reshape(m, n)
@@ -294,12 +300,12 @@ def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
 def direct_linear_tiles(
     tiles: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`linear_tiles(x, tiles, bias)` for 2-D x, with the common case (rows in _TILE_ROWS,
+    """`linear_tiles(x, tiles, bias)` for 2-D x, with the common case (rows in _tile_rows(),
     contiguous, no bias) one compiled call."""
     if bias is not None:
         return lambda x: linear_tiles(x, tiles, bias)
     kernel = native_ops().linear_tiles
-    rows = range(1, 1 << 62) if tiles.dim() == 4 else _TILE_ROWS
+    rows = range(1, 1 << 62) if tiles.dim() == 4 else _tile_rows()
 
     def call(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] in rows and x.is_contiguous():

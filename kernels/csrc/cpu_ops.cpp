@@ -1064,12 +1064,19 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
 // against the same torch headers, whose functions of this signature are passed by address.
 using MatmulFn = torch::Tensor (*)(const torch::Tensor&, const std::vector<torch::Tensor>&);
 
-constexpr int64_t kMaxTileRows = 160;  // kernels/cpu_native.py _TILE_ROWS: above, MKL's batched GEMM
+// float32 rows above which MKL's batched GEMM over the tiles beats the tile kernel: 160 on Intel
+// CPUs (512 rows: 1015 vs 1064 ms for 30 layers); none elsewhere, where MKL takes its generic
+// path (AMD EPYC, AVX-512: the tile kernel 2.5-5x MKL at 161-2048 rows of this model's shapes).
+// kernels/cpu_native.py asks for it too, so both callers split at the same row count.
+int64_t max_tile_rows() {
+  static const int64_t rows = __builtin_cpu_is("intel") ? 160 : std::numeric_limits<int64_t>::max();
+  return rows;
+}
 
 torch::Tensor tiles_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
   const auto& tiles = w[0];
   const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
-  if (M <= kMaxTileRows || tiles.dim() == 4) return linear_tiles(x, tiles);  // bf16: tiles at every M
+  if (M <= max_tile_rows() || tiles.dim() == 4) return linear_tiles(x, tiles);  // bf16: tiles at every M
   return at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, NT * kTile});
 }
 
@@ -1149,6 +1156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged attention of the one-token queries");
   m.def("prefill_attention", &prefill_attention, "paged causal attention of the prefill chunks (False: not taken)");
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
+  m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, double, double>())
