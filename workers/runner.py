@@ -231,6 +231,8 @@ class ModelRunner:
         if is_fp8(self.kv_dtype):
             self.kv_scales = calibrate_kv_scales(self, cfg.seed)
         t_kv = time.monotonic()
+        if self.device.type == "cpu" and self.parallel.layout.world_size == 1:
+            self._warm_up()
         sc = cfg.speculative_config
         self.drafter: DraftModel | None = None
         if sc is not None and sc.method == "draft_model" and sc.model is not None:
@@ -251,6 +253,32 @@ class ModelRunner:
         }
 
     # ------------------------------------------------------------------ start-up
+    WARM_UP_TOKENS = 512
+
+    def _warm_up(self) -> None:
+        """One prefill of up to WARM_UP_TOKENS tokens before Ready, on CPUs, so that the engine's
+        first request does not pay for first use (the compiled ops' and allocator's first calls
+        at prefill sizes). Served, six 1,024-token prompts one after another: the first's TTFT
+        603 ms against 515-562 for the rest without it, 534 against 476-513 with it; 0.19 s of
+        start-up (bf16, this model). It writes K/V into blocks no sequence owns yet (each block
+        is written by its owner's prefill before it is read) and zeroes them again."""
+        bs = self.block_size
+        n = min(
+            self.WARM_UP_TOKENS,
+            self.cfg.max_num_batched_tokens,
+            self.max_model_len,
+            (self.num_blocks - 1) * bs,
+        )
+        if n < 1:
+            return
+        blocks = list(range(1, 1 + -(-n // bs)))
+        with torch.inference_mode():
+            self.prompt_logits([(7 * p) % self.model_config.vocab_size for p in range(n)], blocks, [n - 1])
+            for k, v in self.kv_caches:
+                if k.numel():
+                    k[blocks] = 0
+                    v[blocks] = 0
+
     def _graph_sizes(self) -> list[int]:
         cfg = self.cfg
         if self.device.type != "cuda":
@@ -507,15 +535,19 @@ class ModelRunner:
             return out[: step.num_seqs]
         return out.index_select(0, step.tensors.logits_indices)
 
-    def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
-        """Logits [len(token_ids), vocab] at every position of one prompt, prefilled alone into
-        block_ids (the caller's to overwrite). For oracle tests: a step samples only the last."""
+    def prompt_logits(
+        self, token_ids: list[int], block_ids: list[int], logits_at: list[int] | None = None
+    ) -> torch.Tensor:
+        """Logits [len(logits_at), vocab] at the positions `logits_at` (default: every one) of
+        one prompt, prefilled alone into block_ids (the caller's to overwrite). For oracle tests
+        (a step samples only the last), the fp8 scales' calibration and the CPU warm-up."""
         row = self.inputs.assign_row()
         try:
             self.inputs.add_blocks(row, 0, block_ids)
             n, bs = len(token_ids), self.block_size
             slots = [block_ids[p // bs] * bs + p % bs for p in range(n)]
-            t = self.inputs.load(token_ids, list(range(n)), slots, [row], [n], [0, n], list(range(n)))
+            at = list(range(n)) if logits_at is None else logits_at
+            t = self.inputs.load(token_ids, list(range(n)), slots, [row], [n], [0, n], at)
             meta = StepMeta(n, n, int(n == 1), int(n > 1), [n], [0, n])
             return self.model(self._forward_batch(t, meta, t.logits_indices, self.kv_caches))
         finally:
