@@ -901,21 +901,23 @@ struct TileStep<bf16> {
 };
 #endif
 
-// y[r, 0:kTile] = x[r, :] . tile for r < MR; `pf` (if set): one step of the next tile to
-// prefetch per step, `pf_steps` of them.
+// y[r, 0:kTile] = x[r, :] . tile for r < MR; `pf` (if set): `pf_lines` cache lines from there
+// (a slice of the next tile) to prefetch, spread evenly over the steps.
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
 template <typename T, int MR>
 static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, T* __restrict__ y,
-                             int64_t ldy, int64_t steps, const T* pf, int64_t pf_steps) {
+                             int64_t ldy, int64_t steps, const T* pf, int64_t pf_lines) {
   using S = TileStep<T>;
   constexpr int64_t E = kTile * S::kStep;  // elements of a tile per step
   __m512 acc[MR][kTileVecs];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  const char* pl = reinterpret_cast<const char*>(pf);
+  int64_t owed = 0;  // lines due so far, times `steps` (a running share of pf_lines per step)
   for (int64_t s = 0; s < steps; ++s) {
-    if (s < pf_steps) {
-      const char* p = reinterpret_cast<const char*>(pf + s * E);
-      for (int64_t b = 0; b < kStepBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    }
+    for (owed += pf_lines; owed >= steps; owed -= steps, pl += 64) _mm_prefetch(pl, PF_HINT);
     __m512 wv[kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) wv[v] = S::load(w + s * E + v * (E / kTileVecs));
     for (int r = 0; r < MR; ++r) {
@@ -971,11 +973,11 @@ static void few_rows(int64_t m, const T* x, int64_t ldx, const T* wa, const T* w
 
 template <typename T>
 static void row_block(int64_t m, const T* x, int64_t ldx, const T* w, T* y, int64_t ldy, int64_t steps, const T* pf,
-                      int64_t pf_steps) {
+                      int64_t pf_lines) {
   switch (m) {
 #define ROWS(R)                                               \
   case R:                                                     \
-    tile_rows<T, R>(x, ldx, w, y, ldy, steps, pf, pf_steps);  \
+    tile_rows<T, R>(x, ldx, w, y, ldy, steps, pf, pf_lines);  \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
@@ -1010,7 +1012,7 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t s0 = b * slice, pf = t + 1 < t1 ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
         row_block<T>(std::min(kRowBlock, M - b * kRowBlock), xp + b * kRowBlock * ldx, ldx, wt,
-                     yp + b * kRowBlock * N + t * kTile, N, steps, wt + tile_elems + s0 * E, pf);
+                     yp + b * kRowBlock * N + t * kTile, N, steps, wt + tile_elems + s0 * E, pf * (kStepBytes / 64));
       }
     }
   });
