@@ -373,11 +373,171 @@ inline void heads_times_v(const float* __restrict__ p, int64_t L, const T* vc, c
     for (int c = 0; c < NV; ++c) store16(out + i * d + 16 * c, acc[i][c]);
 }
 
-// decode_rows for float32 (and, on AVX-512 BF16 builds, bfloat16) caches of 16-token blocks and
-// head_dim 16 * NV: the same work items, float32 arithmetic and softmax; scores 16 tokens at a
+// e^x of 16 floats: fast_exp's range reduction and polynomial, lane by lane.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+
+#ifdef __AVX512BF16__
+// One query head against a 16-token block of bf16 K rows (n <= 16 of them valid), scaled:
+// q as NV / 2 vectors of bf16 pairs, each K row's pairs multiplied by vdpbf16ps (the products
+// of bf16 values are exact in float32), then one transposing sum for the 16 tokens.
+template <int NV>
+inline void block_scores_pairs(const __m512i* q, const bf16* __restrict__ k0, int64_t kstride, int64_t n, float sc,
+                               float* __restrict__ out) {
+  __m512 acc[16];
+  for (int o = 0; o < 16; ++o) {
+    acc[o] = _mm512_setzero_ps();
+    if (o >= n) continue;
+    const bf16* k = k0 + o * kstride;
+    for (int c = 0; c < NV / 2; ++c)
+      acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  }
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+}
+
+// Each of the h rows of L scores -> exp(s - max) rounded to bf16 into pb (row stride Lp, a
+// multiple of 16; zeros from L on), and 1 / the row's float32 sum of them into inv.
+inline void softmax_pairs(const float* sp, int64_t h, int64_t L, bf16* pb, int64_t Lp, float* inv) {
+  for (int64_t hh = 0; hh < h; ++hh) {
+    const float* s = sp + hh * L;
+    bf16* p = pb + hh * Lp;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < L; j += 16) {
+      const __mmask16 k = static_cast<__mmask16>(L - j >= 16 ? 0xFFFF : (1u << (L - j)) - 1);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Lp; j += 16) {
+      const __mmask16 k = static_cast<__mmask16>(j >= L ? 0 : L - j >= 16 ? 0xFFFF : (1u << (L - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m)));
+      total = _mm512_add_ps(total, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inv[hh] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+}
+
+// K/V blocks a decode prefetches ahead of the one it reads: blocks sit anywhere in the cache,
+// and the hardware prefetcher does not run ahead across them (4 measured the same as 2).
+constexpr int64_t kKvAhead = 2;
+
+// out[i] = inv[i] * sum_j p[i, j] V[j] for HC query heads sharing one KV head, P in bf16 (rows
+// of stride Lp, zero past L): two tokens' V rows interleaved into pairs per step, so vdpbf16ps
+// adds both tokens at once (flash attention's bf16 P . V). The sums come out with their dims in
+// an interleaved order, put back once at the end. This head's V rows kKvAhead blocks ahead are
+// prefetched a row per row read (from the first block, the ones before that too).
+template <int NV, int HC>
+inline void heads_times_v_pairs(const bf16* pb, int64_t Lp, int64_t L, const bf16* vc, const int32_t* table,
+                                int64_t s0, int64_t s1, int64_t bs, const float* inv, bf16* __restrict__ out,
+                                int64_t d) {
+  __m512 acc[HC][NV];
+  for (int i = 0; i < HC; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+  const int32_t* pp = reinterpret_cast<const int32_t*>(pb);  // (p[2j], p[2j + 1]) pairs
+  const int64_t nb = (L + bs - 1) / bs;
+  for (int64_t j = 0; j < nb; ++j) {
+    const bf16* base = vc + table[j] * s0;
+    const int64_t j0 = j * bs, n = std::min(bs, L - j0);
+    for (int64_t o = 0; o < n; o += 2) {
+      for (int64_t a = j == 0 ? 1 : kKvAhead; a <= kKvAhead && j + a < nb; ++a)
+        for (int64_t r = o; r < (o + 2 < n ? o + 2 : bs); ++r) prefetch_row(vc + table[j + a] * s0 + r * s1, d * 2);
+      const bf16* va = base + o * s1;
+      const bf16* vb = base + (o + 1) * s1;
+      __m512i lo[NV / 2], hi[NV / 2];
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(va + 32 * c);
+        const __m512i y = o + 1 < n ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_unpacklo_epi16(x, y);
+        hi[c] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int i = 0; i < HC; ++i) {
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(pp[(i * Lp + j0 + o) / 2]);
+        for (int c = 0; c < NV / 2; ++c) {
+          acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], (__m512bh)lo[c], pj);
+          acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], (__m512bh)hi[c], pj);
+        }
+      }
+    }
+  }
+  // acc[2c] holds dims 32c + {0-3, 8-11, 16-19, 24-27}, acc[2c + 1] the other four of each eight
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < HC; ++i) {
+    const __m512 w = _mm512_set1_ps(inv[i]);
+    for (int c = 0; c < NV / 2; ++c) {
+      store16(out + i * d + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(acc[i][2 * c], first, acc[i][2 * c + 1]), w));
+      store16(out + i * d + 32 * c + 16,
+              _mm512_mul_ps(_mm512_permutex2var_ps(acc[i][2 * c], second, acc[i][2 * c + 1]), w));
+    }
+  }
+}
+
+// decode_rows_fast for bf16 caches: the same work items and prefetches, with scores and P . V by
+// vdpbf16ps on bf16 pairs (q, K and P bf16; float32 sums, softmax in float32, P rounded to bf16
+// as flash attention rounds it) instead of widening every K and V element to float32.
+template <int NV>
+void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const bf16* kc, const bf16* vc, int64_t s0,
+                       int64_t s1, int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0,
+                       int64_t B, int64_t h, int64_t kvh, float sc) {
+  constexpr int64_t d = 16 * NV, bs = 16;
+  constexpr int HC = NV <= 4 ? 3 : 2;
+  const int64_t group = h / kvh, row_bytes = kvh * d * 2;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scores, inv(static_cast<size_t>(h));
+    std::vector<bf16> probs;
+    for (int64_t b = b0; b < b1; ++b) {
+      if (qp0[b + 1] - qp0[b] != 1) continue;
+      const int64_t t = qp0[b], L = lp[b], Lp = (L + 15) / 16 * 16, nb = (L + bs - 1) / bs;
+      scores.resize(static_cast<size_t>(h * L));
+      probs.resize(static_cast<size_t>(h * Lp));
+      float* sp = scores.data();
+      const int32_t* table = btp + b * width;
+      const bf16* qt = qp + t * qs;  // heads adjacent
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t j0 = j * bs, n = std::min(bs, L - j0);
+        const bf16* kb = kc + table[j] * s0;
+        for (int64_t hh = 0; hh < h; ++hh) {
+          // every KV head's K rows ahead, as for V, a few rows per head scored
+          for (int64_t a = j == 0 ? 1 : kKvAhead; a <= kKvAhead && j + a < nb; ++a)
+            for (int64_t o = hh; o < bs; o += h) prefetch_row(kc + table[j + a] * s0 + o * s1, row_bytes);
+          __m512i qv[NV / 2];
+          for (int c = 0; c < NV / 2; ++c) qv[c] = _mm512_loadu_si512(qt + hh * d + 32 * c);
+          block_scores_pairs<NV>(qv, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
+        }
+      }
+      softmax_pairs(sp, h, L, probs.data(), Lp, inv.data());
+      bf16* ot = op0 + t * os;
+      for (int64_t g = 0; g < kvh; ++g) {
+        const bf16* vg = vc + g * s2;
+        int64_t hh = g * group;
+        const int64_t end = hh + group;
+        for (; hh + HC <= end; hh += HC)
+          heads_times_v_pairs<NV, HC>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
+                                      ot + hh * d, d);
+        for (; hh < end; ++hh)
+          heads_times_v_pairs<NV, 1>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
+                                     ot + hh * d, d);
+      }
+    }
+  });
+}
+#endif
+
+// decode_rows for float32 caches of 16-token blocks and head_dim 16 * NV (bf16 caches take
+// decode_rows_pairs): the same work items, float32 arithmetic and softmax; scores 16 tokens at a
 // time (block_scores) and the V sums in registers (heads_times_v), rounded once into `out`. At
-// 32 sequences of ~200 tokens this halved attention's share of a float32 step; bf16 caches
-// took the generic loop (a widening copy per K/V row) until 16.5% of an offline run went there.
+// 32 sequences of ~200 tokens this halved attention's share of a float32 step.
 template <int NV, typename T>
 void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
                       int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
@@ -511,7 +671,10 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
       return;
     }
 #ifdef __AVX512BF16__
-    FAST(bf16);
+    (d == 64 ? decode_rows_pairs<4> : decode_rows_pairs<8>)(
+        out.data_ptr<bf16>(), out.stride(0), q.data_ptr<bf16>(), q.stride(0), k_cache.data_ptr<bf16>(),
+        v_cache.data_ptr<bf16>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), btp, width, lp, qp0, B, h,
+        kvh, sc);
     return;
 #endif
 #undef FAST
@@ -526,22 +689,7 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
-
 #ifdef __AVX512F__
-// e^x of 16 floats: fast_exp's range reduction and polynomial, lane by lane.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
-}
-
 // 16 rows of 16 floats -> 16 columns: r[i] lane j becomes r[j] lane i.
 inline void transpose16(__m512* r) {
   __m512 t[16];
