@@ -55,7 +55,7 @@ class Summary:
         state = " (interrupted)" if self.interrupted else " (the engine died)" if self.engine_dead else ""
         return (
             f"pagebus run-batch: {self.ok} ok, {self.failed} failed{extra}; "
-            f"{self.prompt_tokens} prompt + {self.output_tokens} output tokens in {self.wall_s:.1f}s "
+            f"{self.prompt_tokens} prompt + {self.output_tokens} output tokens in {self.wall_s:.2f}s "
             f"({self.output_tok_s:.1f} output tok/s){state}"
         )
 
