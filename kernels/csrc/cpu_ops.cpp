@@ -818,7 +818,16 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
     const int64_t n = qp0[b + 1] - qp0[b];
     first[b + 1] = first[b] + (n > 1 ? kvh * ((n + QB - 1) / QB) : 0);
   }
-  at::parallel_for(0, first[B], 1, [&](int64_t w0, int64_t w1) {
+  // Work items cost their count of keys (causal: the later query blocks see more), so the
+  // threads split the items by that cost, not by count: for one 1,024-token prompt an even
+  // split by count gave one thread 1.4x the other's keys, and it waited 29% of the time.
+  std::vector<int64_t> cost(static_cast<size_t>(first[B] + 1), 0);  // keys of the items before each
+  for (int64_t b = 0, w = 0; b < B; ++b) {
+    const int64_t qlen = qp0[b + 1] - qp0[b], blocks_q = (qlen + QB - 1) / QB, ctx = lp[b] - qlen;
+    for (int64_t i = 0; i < first[b + 1] - first[b]; ++i, ++w)
+      cost[w + 1] = cost[w] + ctx + std::min(qlen, (i % blocks_q + 1) * QB);
+  }
+  const auto items = [&](int64_t w0, int64_t w1) {
     // 64-byte aligned scratch: every vector load and store of it stays within one cache line
     // (16 x 128-token prompts, one layer: 2.41 -> 2.14 ms with them aligned)
     alignas(64) float kt[d * bs], vb[bs * d];
@@ -890,6 +899,15 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
           T* dst = op0 + (t0 + r) * os + (g * group + j) * d;
           for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), _mm512_set1_ps(inv)));
         }
+    }
+  };
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), first[B]));
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {  // part p: the items whose keys start in its share
+      const auto at_share = [&](int64_t q) {
+        return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * q / parts) - cost.begin());
+      };
+      items(at_share(p), at_share(p + 1));
     }
   });
 }
