@@ -632,6 +632,24 @@ void decode_rows(float* op0, int64_t os, const T* qp, int64_t qs, const T* kc, c
   });
 }
 
+// The checks both paged attentions make of their arguments; the element type they share.
+torch::ScalarType check_paged_args(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                   const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                                   const char* what) {
+  const auto st = check_dtype({&out, &q, &k_cache, &v_cache}, what);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32,
+              what, ": int32 block tables, lengths and query starts expected");
+  const int64_t h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, what, ": head counts or sizes disagree");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
+              what, ": head vectors must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              what, ": caches must hold contiguous head vectors, in one layout");
+  return st;
+}
+
 // Attention for the sequences with one query token (decodes), reading the paged caches in
 // place: out[t] for t = query_start_loc[b] of every such b; other rows are left untouched.
 // One work item per sequence, all its heads: a block's K (then V) rows are read in storage
@@ -640,16 +658,8 @@ void decode_rows(float* op0, int64_t os, const T* qp, int64_t qs, const T* kc, c
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                       double scale) {
-  const auto st = check_dtype({&out, &q, &k_cache, &v_cache}, "decode_attention");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start_loc.scalar_type() == torch::kInt32,
-              "decode_attention: int32 block tables, lengths and query starts expected");
+  const auto st = check_paged_args(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, "decode_attention");
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
-  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "decode_attention: head counts or sizes disagree");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
-              "decode_attention: head vectors must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
-              "decode_attention: caches must hold contiguous head vectors, in one layout");
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto qsl = query_start_loc.contiguous();
@@ -919,16 +929,8 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
 bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                        double scale) {
-  const auto st = check_dtype({&out, &q, &k_cache, &v_cache}, "prefill_attention");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start_loc.scalar_type() == torch::kInt32,
-              "prefill_attention: int32 block tables, lengths and query starts expected");
+  const auto st = check_paged_args(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, "prefill_attention");
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
-  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "prefill_attention: head counts or sizes disagree");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
-              "prefill_attention: head vectors must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
-              "prefill_attention: caches must hold contiguous head vectors, in one layout");
 #ifdef __AVX512F__
   if (bs != 16 || (d != 64 && d != 128)) return false;
 #ifndef __AVX512BF16__
