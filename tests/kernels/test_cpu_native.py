@@ -248,6 +248,14 @@ def test_bf16_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
     assert torch.equal(with_bias, got.add(b))
 
 
+def test_amx_multiplies_bf16_tiles_on_amx_cpus() -> None:
+    """Where the CPU has AMX, the build uses it (the rows and shapes of the test above then ran
+    on it: 2+ rows with K a multiple of 32, partial 16-row groups, an odd column-group count);
+    elsewhere it reports that it does not."""
+    flags = native._cpu_flags().split()
+    assert native.native_ops().bf16_amx_in_use() == ("amx_bf16" in flags and "amx_tile" in flags)
+
+
 def test_tiles_are_refused_where_they_do_not_fit() -> None:
     assert native.pack_linear(torch.randn(50, 64)) is None  # N not a multiple of the tile
     assert native.pack_linear(torch.randn(48, 63, dtype=torch.bfloat16)) is None  # odd K: no k pairs

@@ -62,15 +62,19 @@ def test_prefill_logits_close_to_hf(llm_fp32, hf_oracle) -> None:
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="bfloat16 is emulated without AVX-512 BF16: too slow to test")
 def test_bf16_matches_hf_bf16(default_model: str, hf_oracle) -> None:
-    """`dtype auto` on an AVX-512 BF16 machine: bfloat16 column tiles (prefill and decode)
-    against HF transformers in bfloat16 on the same weights. The two round at different points
-    (oneDNN's GEMM against ours; HF's attention in bf16, ours in float32), so tokens may part
-    at any near-tie: each prompt's first divergence must be one, with vLLM's bf16 rule (each
-    side's token in the other's top 5: bf16 logits tie outright), and several prompts may have one. Prefill logits stay within
-    bf16's rounding of the fp32 logits (max |logit| ~ 36 here; fp32 agrees to 1e-2)."""
+    """`dtype auto` on a bf16 machine: bfloat16 column tiles (AVX-512 BF16 or AMX; prefill and
+    decode) against HF transformers in bfloat16 on the same weights. The two round at different
+    points (oneDNN's GEMM against ours; HF's attention in bf16, ours in float32), so tokens may
+    part at any near-tie: each prompt's first divergence must be one, with vLLM's bf16 rule
+    (each side's token in the other's top 5: bf16 logits tie outright), and several prompts may
+    have one; how many is luck, so it is printed, not asserted. What is asserted of the logits:
+    against float32 arithmetic on the same bf16-rounded weights (what a bf16 engine approximates),
+    ours are no further off than HF's own bf16 run (mean within 15%, worst within 50%)."""
+    import copy
+
     from pagebus import LLM
 
-    _, tok = hf_oracle
+    fp32, tok = hf_oracle
     folder, name = os.path.split(default_model)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
     llm = LLM(default_model, dtype="bfloat16", seed=0)
@@ -91,14 +95,21 @@ def test_bf16_matches_hf_bf16(default_model: str, hf_oracle) -> None:
             f"prompt {ids[:8]}...: diverges at {j} beyond a near-tie: ours {got[j]} (top5 {ours_top5}), "
             f"HF {ref_tokens[j]} (top5 {ref_top5[j]})"
         )
-    worst = 0.0
-    for p in PROMPTS[:4]:
-        ids = tok(p).input_ids
+    exact = copy.deepcopy(fp32)  # float32 arithmetic on the weights a bf16 engine holds
+    with torch.no_grad():
+        for w in exact.parameters():
+            w.copy_(w.bfloat16().float())
+    ours_err, hf_err = [], []
+    for ids in prompt_ids:
         with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].float()
-        worst = max(worst, float((prefill_logits(llm.engine.runner, ids) - ref).abs().max()))
+            ref = exact(torch.tensor([ids])).logits[0]
+            ours_err.append((prefill_logits(llm.engine.runner, ids).float() - ref).abs().flatten())
+            hf_err.append((hf(torch.tensor([ids])).logits[0].float() - ref).abs().flatten())
+    ours_e, hf_e = torch.cat(ours_err), torch.cat(hf_err)
     print(
-        f"bf16: {identical}/{len(PROMPTS)} prompts identical to HF bf16 over 32 tokens; max |logit diff| {worst:.3f}"
+        f"bf16: {identical}/{len(PROMPTS)} prompts identical to HF bf16 over 32 tokens; |logit error| "
+        f"vs fp32 on bf16 weights: ours mean {ours_e.mean():.4f} max {ours_e.max():.3f}, "
+        f"HF bf16 mean {hf_e.mean():.4f} max {hf_e.max():.3f}"
     )
-    assert identical >= 2
-    assert worst < 1.0
+    assert float(ours_e.mean()) <= 1.15 * float(hf_e.mean())
+    assert float(ours_e.max()) <= 1.5 * float(hf_e.max())
