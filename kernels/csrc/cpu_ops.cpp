@@ -704,6 +704,38 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Intel Xeon since Sapphire Rapids): 8 tile registers of up to 16 rows x 64 bytes, and
+// tdpbf16ps, a 16 x 32 bf16 tile times a 32 x 16 one (16 pairs of k, each column's pair
+// adjacent) into 16 x 16 fp32 sums: 16x the products of a vdpbf16ps. The bf16 matmul
+// (amx_tiles_kernel) and prefill attention (prefill_item_amx) use it.
+#define PAGEBUS_AMX 1
+
+// Linux gives a process the 8 KiB tile state only when it asks (arch_prctl); without it the
+// first tile instruction faults, so every AMX path checks this first.
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every register 16 rows of 64 bytes: sums (16 fp32), x (32 bf16) and W (16 pairs of bf16).
+inline void amx_configure() {
+  AmxConfig c;
+  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+  _tile_loadconfig(&c);
+}
+
+#endif
+
 #ifdef __AVX512F__
 // 16 rows of 16 floats -> 16 columns: r[i] lane j becomes r[j] lane i.
 inline void transpose16(__m512* r) {
@@ -814,6 +846,136 @@ inline void flash_rows(const void* qv, const float* kt, const float* vb, const i
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, out[r][c]);
 }
 
+#ifdef PAGEBUS_AMX
+// One prefill work item (prefill_rows: `rows` <= 16 query positions from t0, the `group` query
+// heads of KV head g) on AMX, 32 keys (two cache blocks) a step, with the online softmax of
+// flash_rows in float32 between the two products:
+//   S = Q K^T   A: a head's 16 query rows, 32 dims a step; B: K transposed into pairs of dims x
+//               16 keys (the kt layout flash_rows's bf16 scores use), one tile per block and step;
+//   O += P V    A: P rounded to bf16, 16 rows x 32 keys; B: V with two keys' rows interleaved
+//               (pairs of keys x 16 dims), one tile per 16 dims; the sums come out per step and
+//               are added to O in float32 after O is rescaled by the softmax's correction.
+// Rows past `rows`, keys past L: zeros (a key's V must be zero, not the cache's garbage, as 0 x
+// NaN is NaN). Tiles (amx_configure's 16 x 64 bytes): 0 scores, 1 A, 2 B, 3-6 P V sums.
+template <int NV>
+void prefill_item_amx(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const bf16* kc, const bf16* vc, int64_t s0,
+                      int64_t s1, int64_t s2, const int32_t* table, int64_t L, int64_t ctx, int64_t i0, int64_t rows,
+                      int64_t t0, int64_t g, int64_t group, float sc, bf16* qb, float* o, float* m, float* l) {
+  constexpr int64_t d = 16 * NV, bs = 16, QB = 16, KS = 32;
+  alignas(64) int32_t kt[2][NV / 2][16 * 16];  // per block, per 32 dims: [dim pair][key]
+  alignas(64) bf16 vp[NV][16 * 32];            // per 16 dims: [key pair][dim][2]
+  alignas(64) float sv[QB * KS], pv[QB * 64];
+  alignas(64) bf16 pb[QB * KS];
+  std::memset(qb, 0, sizeof(bf16) * group * QB * d);
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(qb + (j * QB + r) * d, qp + (t0 + r) * qs + (g * group + j) * d, d * sizeof(bf16));
+  std::fill(o, o + group * QB * d, 0.f);
+  std::fill(m, m + group * QB, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + group * QB, 0.f);
+  alignas(64) static const int16_t kPairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i pair_idx = _mm512_load_si512(kPairs);  // dim i of key a, then of key b
+  const int64_t last = ctx + i0 + rows - 1;
+  for (int64_t j0 = 0; j0 <= last; j0 += KS) {
+    const int64_t nk = std::min(KS, L - j0);  // keys that exist in this step
+    for (int blk = 0; blk < 2; ++blk) {
+      const int64_t n = std::max<int64_t>(0, std::min(bs, nk - blk * bs));
+      const bf16* kb = n > 0 ? kc + table[(j0 + blk * bs) / bs] * s0 + g * s2 : nullptr;
+      for (int c = 0; c < NV / 2; ++c) {
+        __m512 r16[16];
+        for (int64_t k = 0; k < 16; ++k)
+          r16[k] = k < n ? _mm512_castsi512_ps(_mm512_loadu_si512(kb + k * s1 + 32 * c)) : _mm512_setzero_ps();
+        transpose16(r16);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(kt[blk][c] + 16 * i), r16[i]);
+      }
+    }
+    for (int64_t kp = 0; kp < KS / 2; ++kp) {  // keys 2kp, 2kp + 1, interleaved per 16 dims
+      const int64_t k0 = 2 * kp, k1 = k0 + 1;
+      const bf16* va = k0 < nk ? vc + table[(j0 + k0) / bs] * s0 + ((j0 + k0) % bs) * s1 + g * s2 : nullptr;
+      const bf16* vb = k1 < nk ? vc + table[(j0 + k1) / bs] * s0 + ((j0 + k1) % bs) * s1 + g * s2 : nullptr;
+      for (int c = 0; c < NV; ++c) {
+        const __m512i a = va ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 16 * c)))
+                             : _mm512_setzero_si512();
+        const __m512i b = vb ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 16 * c)))
+                             : _mm512_setzero_si512();
+        _mm512_store_si512(vp[c] + kp * 32, _mm512_permutex2var_epi16(a, pair_idx, b));
+      }
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      const bf16* qj = qb + j * QB * d;
+      for (int blk = 0; blk < 2; ++blk) {
+        _tile_zero(0);
+        for (int c = 0; c < NV / 2; ++c) {
+          _tile_loadd(1, qj + 32 * c, d * static_cast<int64_t>(sizeof(bf16)));
+          _tile_loadd(2, kt[blk][c], 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sv + 16 * blk, KS * sizeof(float));
+      }
+      float alpha[QB];
+      for (int64_t r = 0; r < QB; ++r) {
+        const int64_t valid = r < rows ? std::min(nk, ctx + i0 + r - j0 + 1) : 0;  // keys <= this position
+        float* mr = m + j * QB + r;
+        float* lr = l + j * QB + r;
+        if (valid <= 0) {
+          _mm512_store_si512(pb + r * KS, _mm512_setzero_si512());
+          alpha[r] = 1.f;
+          continue;
+        }
+        const __mmask16 k0 = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
+        const __mmask16 k1 = static_cast<__mmask16>(valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (1u << (valid - 16)) - 1);
+        const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scv = _mm512_set1_ps(sc);
+        const __m512 a0 = _mm512_mask_blend_ps(k0, ninf, _mm512_mul_ps(_mm512_load_ps(sv + r * KS), scv));
+        const __m512 a1 = _mm512_mask_blend_ps(k1, ninf, _mm512_mul_ps(_mm512_load_ps(sv + r * KS + 16), scv));
+        const float mnew = std::max(*mr, _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
+        alpha[r] = fast_exp(*mr - mnew);
+        const __m512 mv = _mm512_set1_ps(mnew);
+        const __m512 p0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(a0, mv)));
+        const __m512 p1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(a1, mv)));
+        *lr = *lr * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        *mr = mnew;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * KS), (__m256i)_mm512_cvtneps_pbh(p0));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * KS + 16), (__m256i)_mm512_cvtneps_pbh(p1));
+      }
+      for (int half = 0; half < NV / 4; ++half) {  // 64 dims at a time: 4 sum tiles
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_loadd(1, pb, KS * sizeof(bf16));
+        _tile_loadd(2, vp[4 * half], 64);
+        _tile_dpbf16ps(3, 1, 2);
+        _tile_loadd(2, vp[4 * half + 1], 64);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_loadd(2, vp[4 * half + 2], 64);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(2, vp[4 * half + 3], 64);
+        _tile_dpbf16ps(6, 1, 2);
+        constexpr int64_t ps = 64 * sizeof(float);
+        _tile_stored(3, pv, ps);
+        _tile_stored(4, pv + 16, ps);
+        _tile_stored(5, pv + 32, ps);
+        _tile_stored(6, pv + 48, ps);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* orow = o + (j * QB + r) * d + 64 * half;
+          const __m512 al = _mm512_set1_ps(alpha[r]);
+          for (int c = 0; c < 4; ++c)
+            _mm512_storeu_ps(orow + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * c), al, _mm512_load_ps(pv + r * 64 + 16 * c)));
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / l[j * QB + r];
+      const float* orow = o + (j * QB + r) * d;
+      bf16* dst = op0 + (t0 + r) * os + (g * group + j) * d;
+      for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), _mm512_set1_ps(inv)));
+    }
+}
+#endif
+
 // Prefill chunks (sequences with several query tokens), reading the paged caches in place:
 // causal attention with an online softmax (flash attention's), one work item per (sequence,
 // KV head, 16 query positions) for all the query heads sharing that KV head. Each 16-token
@@ -850,6 +1012,10 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
         l(static_cast<size_t>(group * QB));
     float* qf = qo.data() + (16 - reinterpret_cast<uintptr_t>(qo.data()) / 4 % 16) % 16;
     float* o = qf + group * QB * d;
+#ifdef PAGEBUS_AMX
+    const bool amx = std::is_same_v<T, bf16> && amx_usable();
+    if (amx) amx_configure();
+#endif
     int64_t b = 0;
     for (int64_t w = w0; w < w1; ++w) {
       while (first[b + 1] <= w) ++b;
@@ -857,6 +1023,15 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
       const int64_t g = (w - first[b]) / blocks_q, i0 = (w - first[b]) % blocks_q * QB;
       const int64_t rows = std::min(QB, qlen - i0), t0 = qp0[b] + i0;
       const int32_t* table = btp + b * width;
+#ifdef PAGEBUS_AMX
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (amx) {
+          prefill_item_amx<NV>(op0, os, qp, qs, kc, vc, s0, s1, s2, table, L, ctx, i0, rows, t0, g, group, sc,
+                               reinterpret_cast<bf16*>(qf), o, m.data(), l.data());
+          continue;
+        }
+      }
+#endif
       constexpr bool pairs = kPairScores<T>;  // bf16 scores by vdpbf16ps (flash_rows)
       for (int64_t j = 0; j < group; ++j)
         for (int64_t r = 0; r < rows; ++r) {
@@ -915,6 +1090,9 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
           for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), _mm512_set1_ps(inv)));
         }
     }
+#ifdef PAGEBUS_AMX
+    if (amx) _tile_release();
+#endif
   };
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), first[B]));
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
@@ -1203,7 +1381,7 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef PAGEBUS_AMX
 // ---------------------------------------------------------------- bfloat16 tiles on AMX
 // AMX multiplies a 16 x 32 tile of x by a 32 x 16 tile of W (16 pairs of k, each column's pair
 // adjacent) into 16 x 16 fp32 sums in one instruction: 16x the products of a vdpbf16ps. The
@@ -1212,29 +1390,6 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
 // and x as it is. Output columns go in groups of 16 (a tile holds 3), two groups at a time
 // against two 16-row groups of x: 4 accumulators, 2 x and 2 W registers of the 8 (the blocking
 // oneDNN's AMX kernels use).
-
-// Linux gives a process the 8 KiB tile state only when it asks (arch_prctl); without it the
-// first tile instruction faults, so every AMX path checks this first.
-bool amx_usable() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every register 16 rows of 64 bytes: sums (16 fp32), x (32 bf16) and W (16 pairs of bf16).
-inline void amx_configure() {
-  AmxConfig c;
-  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
-  _tile_loadconfig(&c);
-}
 
 constexpr int64_t kAmxGroup = 16, kAmxK = 32;  // output columns / rows of x per tile; k per step
 // One row of x stays on AVX-512's two streams (a GEMV waits on memory either way: 0.016 vs 0.022
@@ -1324,7 +1479,7 @@ static void amx_tiles_kernel(const bf16* xp, int64_t ldx, const bf16* w, bf16* y
 
 // Whether bfloat16 tiles multiply on AMX here: an AMX build, and Linux granted the tile state.
 bool bf16_amx_in_use() {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef PAGEBUS_AMX
   return amx_usable();
 #else
   return false;
@@ -1353,7 +1508,7 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
   auto y = torch::empty({M, NT * kTile}, x.options());
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef PAGEBUS_AMX
   if (b16 && M >= kAmxMinRows && K % kAmxK == 0 && amx_usable()) {
     // AMX reads x 16 rows at a time: a partial last group comes from a zero-padded copy
     const int64_t Mp = (M + kAmxGroup - 1) / kAmxGroup * kAmxGroup;

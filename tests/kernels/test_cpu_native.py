@@ -129,6 +129,18 @@ def test_attention(
 
 
 @DTYPES
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_prefill_attention(head_dim: int, dtype: torch.dtype) -> None:
+    """Prefill chunks over many key blocks (AMX machines take 32 keys a step: an odd block count,
+    a chunk after cached context that starts mid-block, a prompt that fills its last block)."""
+    seqs = [(100, 37), (33, 0), (64, 64), (3, 140)]
+    batch = make_batch(seqs, 9, 3, head_dim, dtype=dtype)
+    ref = paged_attention_ref(*batch.args(), head_dim**-0.5)
+    got = native.paged_attention(*batch.args(), head_dim**-0.5, max_query_len=100)
+    torch.testing.assert_close(got, ref, **TOLS[dtype])
+
+
+@DTYPES
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "rot"), [(9, 3, 64), (8, 1, 32)])
 def test_fused_decode_attention_is_the_separate_ops(
     num_heads: int, num_kv_heads: int, rot: int, dtype: torch.dtype
