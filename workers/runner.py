@@ -39,6 +39,7 @@ from pagebus.workers.device import (
 from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
+from pagebus.workers.host_memory import keep_freed_memory
 from pagebus.workers.input_batch import InputBuffers, StepTensors
 from pagebus.workers.kv_scales import KVScales, calibrate_kv_scales
 from pagebus.workers.layers.quant import select as quant_select
@@ -167,6 +168,8 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.set_device(self.device)
+        else:  # a step's freed activations are reused, not faulted in again (host_memory.py)
+            keep_freed_memory()
         allocated_before = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         with building(self.parallel):  # parallel layers take this rank's slices
             self.model, self.model_config = load_model(
