@@ -846,6 +846,19 @@ inline void flash_rows(const void* qv, const float* kt, const float* vb, const i
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, out[r][c]);
 }
 
+// A prefill work item's outputs: row r of query head j (o [group][16][d], float32 sums) times 1 /
+// its softmax total l[j * 16 + r], into out + r * os + j * d.
+template <int NV, typename T>
+inline void store_normalized(const float* o, const float* l, int64_t group, int64_t rows, T* out, int64_t os) {
+  constexpr int64_t d = 16 * NV, QB = 16;
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l[j * QB + r]);
+      const float* orow = o + (j * QB + r) * d;
+      for (int c = 0; c < NV; ++c) store16(out + r * os + j * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), inv));
+    }
+}
+
 #ifdef PAGEBUS_AMX
 // One prefill work item (prefill_rows: `rows` <= 16 query positions from t0, the `group` query
 // heads of KV head g) on AMX, 32 keys (two cache blocks) a step, with the online softmax of
@@ -966,13 +979,7 @@ void prefill_item_amx(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const b
       }
     }
   }
-  for (int64_t j = 0; j < group; ++j)
-    for (int64_t r = 0; r < rows; ++r) {
-      const float inv = 1.0f / l[j * QB + r];
-      const float* orow = o + (j * QB + r) * d;
-      bf16* dst = op0 + (t0 + r) * os + (g * group + j) * d;
-      for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), _mm512_set1_ps(inv)));
-    }
+  store_normalized<NV>(o, l, group, rows, op0 + t0 * os + g * group * d, os);
 }
 #endif
 
@@ -1082,13 +1089,7 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
                                  o + (at + r) * d, sc);
         }
       }
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t r = 0; r < rows; ++r) {
-          const float inv = 1.0f / l[j * QB + r];
-          const float* orow = o + (j * QB + r) * d;
-          T* dst = op0 + (t0 + r) * os + (g * group + j) * d;
-          for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), _mm512_set1_ps(inv)));
-        }
+      store_normalized<NV>(o, l.data(), group, rows, op0 + t0 * os + g * group * d, os);
     }
 #ifdef PAGEBUS_AMX
     if (amx) _tile_release();
