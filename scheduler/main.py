@@ -123,6 +123,10 @@ def scheduler_main(
         f"tok-{i}".encode(): Channel(make_socket(ctx, zmq.PUSH, addrs[f"tok_step_{i}"], bind=False))
         for i in range(n_pools)
     }
+    # Bound before the workers load, not once they are ready: the pools and the launcher connect
+    # at their start, and a connect that finds no socket yet is retried only every 100 ms (zmq's
+    # reconnect interval), so a late bind held the first requests back by up to that much.
+    inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
     code = 1
     try:
         try:
@@ -139,7 +143,6 @@ def scheduler_main(
             if depth > 1
             else Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id)
         )
-        inbound = make_socket(ctx, zmq.ROUTER, addrs["scheduler_in"], bind=True, hwm=INBOUND_HWM)
         pids = [p.pid or 0 for p in workers]
         hs.send(Ready(role="scheduler", rank=0, model=f0, worker_pids=pids))
         loop = _Loop(sched, steps, results, inbound, outs, workers)
@@ -152,9 +155,8 @@ def scheduler_main(
         except Exception as e:
             log.error("scheduler failed:\n%s", traceback.format_exc())
             loop.broadcast(EngineDead(reason=f"scheduler failed: {type(e).__name__}: {e}"))
-        finally:
-            inbound.close()
     finally:
+        inbound.close()
         if code == 0:
             try:
                 steps.write(pack_frames(Codec().encode(Shutdown(drain=False))), timeout_s=5.0)
