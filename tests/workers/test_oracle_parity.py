@@ -111,5 +111,8 @@ def test_bf16_matches_hf_bf16(default_model: str, hf_oracle) -> None:
         f"vs fp32 on bf16 weights: ours mean {ours_e.mean():.4f} max {ours_e.max():.3f}, "
         f"HF bf16 mean {hf_e.mean():.4f} max {hf_e.max():.3f}"
     )
-    assert float(ours_e.mean()) <= 1.15 * float(hf_e.mean())
+    # Both round every op's output to bf16 but multiply differently (oneDNN vs our tile kernels):
+    # measured ours / HF mean 0.96x on AMX (0.1768 vs 0.1841) and 1.18x with vdpbf16ps on Zen 5
+    # (0.1935 vs 0.1646, the same max 2.756). A wrong rounding or a dropped upcast is several times.
+    assert float(ours_e.mean()) <= 1.25 * float(hf_e.mean())
     assert float(ours_e.max()) <= 1.5 * float(hf_e.max())
