@@ -72,6 +72,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Steps in the pipeline at once, one per virtual engine (scheduler/virtual.py), 1..pipeline_
     # parallel_size. None: pipeline_parallel_size on GPUs, 1 on CPUs (see steps_in_flight).
     pipeline_steps_in_flight: int | None = None
+    # Plan step N+1 while the workers run step N (vLLM's name): that plan counts on the token each
+    # sequence samples in step N, which the workers keep, so they never wait for the scheduler
+    # between steps. None: on, but off with speculative decoding (drafts follow the last token)
+    # and with several pipeline steps in flight (each virtual engine keeps one in flight already).
+    async_scheduling: bool | None = None
     # Several machines (vLLM's names): node 0 serves, the others run only their share of the
     # workers; all derive the rendezvous and bus endpoints from master_addr:master_port (bus/nodes.py).
     nnodes: int = 1
@@ -146,6 +151,11 @@ def check_engine_config(cfg: EngineConfig) -> EngineConfig:
     need(cfg.max_prompts_per_request >= 1, "max_prompts_per_request must be >= 1")
     if cfg.speculative_config is not None:
         _check_spec(cfg.speculative_config)
+        need(
+            cfg.async_scheduling is not True,
+            "async_scheduling does not combine with speculative_config (each step's drafts follow "
+            "the token the step before sampled); drop one of the two",
+        )
     return cfg
 
 
@@ -190,6 +200,13 @@ def steps_in_flight(cfg: EngineConfig, device: str) -> int:
     if cfg.pipeline_steps_in_flight is not None:
         return cfg.pipeline_steps_in_flight
     return cfg.pipeline_parallel_size if device.startswith("cuda") else 1
+
+
+def async_scheduling(cfg: EngineConfig, depth: int) -> bool:
+    """Whether the scheduler plans a step ahead, given the pipeline depth in force."""
+    if cfg.async_scheduling is False or cfg.speculative_config is not None:
+        return False
+    return depth == 1
 
 
 def cuda_graph_batch_sizes(cfg: EngineConfig) -> list[int]:

@@ -7,7 +7,9 @@ It spawns the workers itself: it writes their ring and must notice a dead worker
 holds their sentinels. Idle, it blocks in one zmq.Poller (inputs, results, sentinels): ~0% CPU.
 Any worker death or fatal error sends EngineDead to every pool and exits non-zero.
 With `-pp M` and M steps in flight (bus/config.py steps_in_flight) it plans a step of each idle
-virtual engine (scheduler/virtual.py) before waiting for the oldest result.
+virtual engine (scheduler/virtual.py) before waiting for the oldest result; with one stage and
+async scheduling it keeps two steps of one Scheduler in flight, so the workers find step N+1 in
+the ring when they finish step N.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 from pagebus.bus.codec import Codec, pack_frames
-from pagebus.bus.config import EngineConfig, steps_in_flight
+from pagebus.bus.config import EngineConfig, async_scheduling, steps_in_flight
 from pagebus.bus.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -137,11 +139,12 @@ def scheduler_main(
             raise
         f0 = _model_facts(ready, world, cfg.tensor_parallel_size)
         depth = steps_in_flight(cfg, f0.device)  # as every worker derives it from its device
-        log.info("pipeline steps in flight: %d", depth)
+        lookahead = async_scheduling(cfg, depth)
+        log.info("pipeline steps in flight: %d; async scheduling: %s", depth, "on" if lookahead else "off")
         sched: Scheduler | VirtualEngines = (
             VirtualEngines(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id, depth)
             if depth > 1
-            else Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id)
+            else Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id, lookahead=lookahead)
         )
         pids = [p.pid or 0 for p in workers]
         hs.send(Ready(role="scheduler", rank=0, model=f0, worker_pids=pids))
@@ -245,10 +248,10 @@ class _Loop:
         workers: Sequence[Child],
     ) -> None:
         self.sched, self.ring, self.results, self.inbound = sched, ring, results, inbound
-        # Steps sent and not yet answered, oldest first: at most one per virtual engine. The last
-        # stage runs them in order, so results come back in this order.
+        # Steps sent and not yet answered, oldest first: one per virtual engine, or two with async
+        # scheduling. The last stage runs them in order, so results come back in this order.
         self.in_flight: deque[ExecuteBatch] = deque()
-        self.depth = len(sched.engines) if isinstance(sched, VirtualEngines) else 1
+        self.depth = sched.max_in_flight
         self.outs, self.workers = outs, workers
         self.codec = Codec()
         self.origin: dict[str, bytes] = {}  # request id -> the pool that owns it

@@ -2,7 +2,9 @@
 
 Pure Python: bus messages in (`AddRequest`, abort ids, `BatchResult`), bus messages out
 (`ExecuteBatch`, `SeqUpdate`). Calls alternate: `schedule()` -> worker runs the batch ->
-`update(batch, result)` -> `schedule()` ...
+`update(batch, result)` -> `schedule()` ... With `lookahead` (async scheduling) a second
+`schedule()` may come before the first step's `update()`: it plans from where the step in flight
+leaves every sequence (scheduler/sequence.py), and the updates come in plan order.
 
 Each step, running sequences go first (decodes and continuing prefill chunks, in queue
 order), then waiting ones are admitted from the head while budget, seats and blocks last.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import bisect
 import operator
 import os
+from collections import deque
 
 from pagebus.bus.config import EngineConfig, request_limits
 from pagebus.bus.messages import (
@@ -57,10 +60,11 @@ class Scheduler:
         hash_seed: bytes | None = None,
         block_pool: BlockPool | None = None,
         virtual_engine: tuple[int, int] = (0, 1),
+        lookahead: bool = False,
     ) -> None:
         """`block_pool` and `virtual_engine` (index, count): one of several schedulers that share
         the KV blocks and keep a step each in flight through a pipeline (scheduler/virtual.py);
-        step ids interleave so they stay unique."""
+        step ids interleave so they stay unique. `lookahead`: plan a step while one is in flight."""
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
@@ -76,7 +80,10 @@ class Scheduler:
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.live: dict[str, Sequence] = {}  # seq id -> every unfinished sequence
         self._dropped: list[str] = []  # seq ids the worker must forget; ride the next batch
-        self._in_flight: ExecuteBatch | None = None
+        # Planned and not yet updated, oldest first, each with the sequences it ran: a request id
+        # may be reused while its old sequence's last step is in flight.
+        self._in_flight: deque[tuple[ExecuteBatch, list[tuple[Sequence, int]]]] = deque()
+        self.max_in_flight = 2 if lookahead else 1
         self._num_arrivals = 0
         self._num_steps = 0
         self._num_preemptions = 0
@@ -208,8 +215,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ExecuteBatch | None:
         """Plan one step; None when there is nothing to run."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"schedule() called before update() of step {self._in_flight.step_id}")
+        if len(self._in_flight) >= self.max_in_flight:
+            raise RuntimeError(f"schedule() called before update() of step {self._in_flight[0][0].step_id}")
         budget = self.cfg.max_num_batched_tokens
         plan: list[tuple[Sequence, int]] = []
         if self.cfg.scheduling_policy == "priority":
@@ -221,7 +228,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_placeholders and self._wait_for_token(seq):
+                i += 1
+                continue
+            n = min(seq.num_tokens_after - seq.num_computed_after, budget)
             if spec_on and n == 1:
                 n += self._speculate(seq, budget)
             while not self._grow(seq, n):
@@ -250,6 +260,15 @@ class Scheduler:
             budget -= n
         return self._build_batch(plan) if plan else None
 
+    def _wait_for_token(self, seq: Sequence) -> bool:
+        """Whether a sequence whose token is still in flight sits this step out: it surely stops
+        on that token (its length), or a grammar must see the token before the next one."""
+        return (
+            seq.num_generated + seq.num_placeholders >= seq.max_tokens
+            or seq.num_tokens_after >= self.max_model_len
+            or seq.params.structured_outputs is not None
+        )
+
     def _preempt_for_waiting_head(self, budget: int) -> None:
         """Priority policy: a waiting head that outranks the running tail takes the tail's seat
         or blocks (recompute), as in vLLM. Strict sort-key order keeps it from ping-ponging."""
@@ -264,9 +283,9 @@ class Scheduler:
         bs, head = self.block_size, self.waiting[0]
         grow = 0
         for seq in self.running:
-            n = seq.num_tokens - seq.num_computed_tokens
+            n = seq.num_tokens_after - seq.num_computed_after
             budget -= n
-            grow += max(0, -(-(seq.num_computed_tokens + n) // bs) - len(seq.blocks))
+            grow += max(0, -(-(seq.num_computed_after + n) // bs) - len(seq.blocks))
         hits = self._cached_prefix(head)
         num_hit = len(hits) * bs
         n = min(head.num_tokens - num_hit, budget)
@@ -301,7 +320,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give seq the blocks to hold n more tokens; False when the pool is short."""
-        need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.blocks)
+        need = -(-(seq.num_computed_after + n) // self.block_size) - len(seq.blocks)
         if need <= 0:
             return True
         if need > self.block_pool.num_free:
@@ -345,8 +364,10 @@ class Scheduler:
         """Register every block this step fills. The worker writes a layer's KV for the whole
         batch before attending, so a sequence scheduled later in this same step may hit them:
         that is how the n samples of a request share their prompt."""
-        # Drafts are not tokens yet: a block holding one is registered once it is accepted.
-        self._register_full(seq, (seq.num_computed_tokens + n - seq.num_spec_tokens) // self.block_size)
+        end = seq.num_computed_after + n - seq.num_spec_tokens
+        # Drafts are not tokens yet, nor is a token still in flight: a block holding one is
+        # registered once it is known (accepted, or in a step's result).
+        self._register_full(seq, min(end, seq.num_tokens) // self.block_size)
 
     def _register_full(self, seq: Sequence, full: int) -> None:
         for i in range(seq.num_registered_blocks, full):
@@ -367,6 +388,10 @@ class Scheduler:
         apply `finished_seq_ids` first: a reused request id can be dropped and re-sent at once."""
         new_seqs, cached_seqs = [], []
         for seq, n in plan:
+            computed = seq.num_computed_after
+            seq.num_ahead += n
+            if computed + n - seq.num_spec_tokens == seq.num_tokens_after:  # caught up: it samples
+                seq.num_placeholders += 1
             if not seq.known_to_worker:
                 new_seqs.append(
                     NewSeq(
@@ -375,7 +400,7 @@ class Scheduler:
                         prompt_len=seq.prompt_len,
                         params=seq.params,
                         block_ids=[b.block_id for b in seq.blocks],
-                        num_computed_tokens=seq.num_computed_tokens,
+                        num_computed_tokens=computed,
                         num_scheduled_tokens=n,
                         sample_index=seq.sample_index,
                     )
@@ -386,9 +411,7 @@ class Scheduler:
                 offset = seq.num_sent_blocks
                 spec = seq.spec_token_ids
                 toks = seq.token_ids[seq.num_sent_tokens :] if self._send_tokens else []
-                cached_seqs.append(
-                    CachedSeq(seq.seq_id, new_ids, seq.num_computed_tokens, n, spec, offset, toks)
-                )
+                cached_seqs.append(CachedSeq(seq.seq_id, new_ids, computed, n, spec, offset, toks))
             seq.num_sent_blocks = len(seq.blocks)
             seq.num_sent_tokens = seq.num_tokens
         self._num_steps += 1
@@ -399,17 +422,17 @@ class Scheduler:
             finished_seq_ids=self._dropped,
         )
         self._dropped = []
-        self._in_flight = batch
+        self._in_flight.append((batch, plan))
         return batch
 
     # ------------------------------------------------------------------ results in
     def update(self, batch: ExecuteBatch, result: BatchResult) -> list[SeqUpdate]:
         """Advance every scheduled sequence, append sampled tokens and finish the stopped."""
-        if self._in_flight is None or batch.step_id != self._in_flight.step_id:
-            raise RuntimeError(f"update() for step {batch.step_id}, which is not the batch in flight")
+        if not self._in_flight or batch.step_id != self._in_flight[0][0].step_id:
+            raise RuntimeError(f"update() for step {batch.step_id}, which is not the oldest batch in flight")
         if result.step_id != batch.step_id:
             raise RuntimeError(f"result of step {result.step_id} given for step {batch.step_id}")
-        self._in_flight = None
+        _, plan = self._in_flight.popleft()
         counts = result.num_tokens or [1] * len(result.seq_ids)
         sampled: dict[str, tuple[int, int]] = {}  # seq id -> (first token, token count)
         start = 0
@@ -418,21 +441,21 @@ class Scheduler:
             start += count
         updates = []
         any_finished = False
-        scheduled: list[NewSeq | CachedSeq] = [*batch.new_seqs, *batch.cached_seqs]
-        for s in scheduled:
-            seq = self.live.get(s.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
-                continue  # aborted while the step ran
+        for seq, n in plan:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted, finished or preempted while the step ran
             num_spec, seq.num_spec_tokens, seq.spec_token_ids = seq.num_spec_tokens, 0, []
-            seq.num_computed_tokens += s.num_scheduled_tokens - num_spec
+            seq.num_computed_tokens += n - num_spec
+            seq.num_ahead -= n
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
-            at = sampled.get(s.seq_id)
+            seq.num_placeholders -= 1
+            at = sampled.get(seq.seq_id)
             if at is None:
-                raise RuntimeError(f"worker sampled no token for {s.seq_id} in step {batch.step_id}")
+                raise RuntimeError(f"worker sampled no token for {seq.seq_id} in step {batch.step_id}")
             first, count = at
             if not 1 <= count <= num_spec + 1:
-                raise RuntimeError(f"worker returned {count} tokens for {s.seq_id} with {num_spec} drafts")
+                raise RuntimeError(f"worker returned {count} tokens for {seq.seq_id} with {num_spec} drafts")
             tokens = result.token_ids[first : first + count]
             lps: list[TokenLogprobs | None] = [None] * count
             if result.logprobs:

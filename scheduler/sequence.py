@@ -3,6 +3,11 @@
 A sequence has no prefill or decode phase: `num_computed_tokens` (tokens whose KV sits
 in `blocks`) catches up with `len(token_ids)` (prompt + generated), a chunk per step.
 It samples a token in the step where it catches up.
+
+Between a step's plan and its result, `num_ahead` counts the tokens it computes and
+`num_placeholders` the token it samples. With async scheduling the next step is planned before
+that result, from `num_computed_after` and `num_tokens_after`: the workers know the sampled
+token, and the scheduler learns it from the result.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ class Sequence:
         "extra_keys",
         "known_to_worker",
         "max_tokens",
+        "num_ahead",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_placeholders",
         "num_registered_blocks",
         "num_sent_blocks",
         "num_sent_tokens",
@@ -71,6 +78,8 @@ class Sequence:
         self.sort_key = sort_key  # smaller runs first, and is preempted last
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_ahead = 0  # scheduled in steps in flight, not yet in num_computed_tokens
+        self.num_placeholders = 0  # sampled by steps in flight, not yet in token_ids
         self.num_cached_tokens: int | None = None  # prompt tokens hit at first admission
         self.blocks: list[KVBlock] = []
         # Leading blocks already in the hash map (hits, or registered by us): never re-registered.
@@ -96,6 +105,16 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    @property
+    def num_computed_after(self) -> int:
+        """Tokens whose KV sits in `blocks` once the steps in flight have run."""
+        return self.num_computed_tokens + self.num_ahead
+
+    @property
+    def num_tokens_after(self) -> int:
+        """Tokens once the steps in flight have sampled: what the next plan catches up with."""
+        return len(self.token_ids) + self.num_placeholders
+
     def block_key(self, i: int) -> BlockKey:
         """The key of full block i; needs the hash of block i-1 (see `block_hash`)."""
         parent = self.block_hashes[i - 1] if i else self.root
@@ -114,6 +133,8 @@ class Sequence:
         """Forget progress and blocks (preemption by recompute); tokens and hashes stay."""
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_ahead = 0
+        self.num_placeholders = 0
         self.blocks = []
         self.num_registered_blocks = 0
         self.known_to_worker = False

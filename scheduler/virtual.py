@@ -44,6 +44,7 @@ class VirtualEngines:
         # Every engine's unfinished requests, as one read-only view (request id -> samples).
         self.requests: ChainMap[str, list[Sequence]] = ChainMap(*(e.requests for e in self.engines))
         self._busy: dict[int, Scheduler] = {}  # step id in flight -> its engine
+        self.max_in_flight = count
         self._next = 0  # the engine asked first for the next step: round robin
 
     def add_request(self, req: AddRequest) -> list[SeqUpdate]:

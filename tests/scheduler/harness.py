@@ -36,11 +36,17 @@ def fake_token(token_sum: int, sample_index: int) -> int:
 
 
 def make_sched(
-    num_blocks: int = 64, max_model_len: int = 256, eos: int | None = None, **cfg: object
+    num_blocks: int = 64,
+    max_model_len: int = 256,
+    eos: int | None = None,
+    lookahead: bool = False,
+    **cfg: object,
 ) -> Scheduler:
     cfg.setdefault("block_size", 4)
     cfg.setdefault("max_request_tokens", 1 << 30)  # these tests overcommit tiny caches on purpose
-    return Scheduler(EngineConfig(**cfg), num_blocks, max_model_len, eos, hash_seed=b"test")  # type: ignore[arg-type]
+    return Scheduler(
+        EngineConfig(**cfg), num_blocks, max_model_len, eos, hash_seed=b"test", lookahead=lookahead
+    )  # type: ignore[arg-type]
 
 
 def make_req(rid: str, prompt: list[int], **params: object) -> AddRequest:
@@ -181,11 +187,15 @@ def run_to_end(sched: Scheduler, worker: FakeWorker, out: Outputs, max_steps: in
     raise AssertionError(f"not done after {max_steps} steps")
 
 
-def check_batch(sched: Scheduler, batch: ExecuteBatch, worker: FakeWorker) -> None:
+def check_batch(sched: Scheduler, batch: ExecuteBatch, worker: FakeWorker, ahead: bool = False) -> None:
+    """`ahead`: planned while a step is in flight, so the worker's mirror of the block tables
+    lags one step (its fingerprint checks still catch a wrong table)."""
     scheduled = [*batch.new_seqs, *batch.cached_seqs]
     assert sum(s.num_scheduled_tokens for s in scheduled) <= sched.cfg.max_num_batched_tokens
     assert len(scheduled) <= sched.cfg.max_num_seqs
     assert len({s.seq_id for s in scheduled}) == len(scheduled)
+    if ahead:
+        return
     for s in scheduled:
         seq = sched.live[s.seq_id]
         known = worker.seqs[s.seq_id].blocks if s.seq_id in worker.seqs else []

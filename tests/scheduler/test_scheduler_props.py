@@ -7,11 +7,13 @@ at the end every request must have finished exactly as an unconstrained run woul
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pagebus.bus.messages import FinishReason, SeqUpdate
+from pagebus.bus.messages import ExecuteBatch, FinishReason, SeqUpdate
 from pagebus.scheduler.scheduler import Scheduler
 
 from tests.scheduler.harness import (
@@ -86,6 +88,7 @@ def add(sched: Scheduler, rid: str, spec: Spec, now: int) -> list[SeqUpdate]:
     return sched.add_request(make_req(rid, spec.prompt, **spec.params(), **extra))
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "async"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     cfg=configs,
@@ -95,17 +98,23 @@ def add(sched: Scheduler, rid: str, spec: Spec, now: int) -> list[SeqUpdate]:
     reqs=st.lists(specs, min_size=1, max_size=10),
 )
 def test_random_workloads_finish_correctly_and_leak_nothing(
-    cfg: dict, spare_blocks: int, max_model_len: int, eos: int | None, reqs: list[Spec]
+    lookahead: bool, cfg: dict, spare_blocks: int, max_model_len: int, eos: int | None, reqs: list[Spec]
 ) -> None:
+    """`lookahead` (async scheduling): the next step is planned before each result, as the
+    scheduler process does, and the outputs must be the same."""
     # Around the size one max_model_len sequence needs: tight enough to preempt often.
     num_blocks = max(2, -(-max_model_len // cfg["block_size"]) + 1 + spare_blocks)
-    sched = make_sched(num_blocks=num_blocks, max_model_len=max_model_len, eos=eos, **cfg)
+    sched = make_sched(
+        num_blocks=num_blocks, max_model_len=max_model_len, eos=eos, lookahead=lookahead, **cfg
+    )
     worker, out = FakeWorker(sched.block_size), Outputs()
     named = {f"r{i}": spec for i, spec in enumerate(reqs)}
     rejected: set[str] = set()
     aborted: set[str] = set()
+    in_flight: deque[ExecuteBatch] = deque()
+    planned_ahead = 0
     now = 0
-    while now <= 12 or sched.has_unfinished():
+    while now <= 12 or sched.has_unfinished() or in_flight:
         assert now < 5_000, "no progress"
         for rid, spec in named.items():
             if spec.arrival_step == now:
@@ -116,9 +125,15 @@ def test_random_workloads_finish_correctly_and_leak_nothing(
             if spec.abort_step == now and not spec.abort_in_flight:
                 out.record(sched.abort([rid]))
                 aborted.add(rid)
-        batch = sched.schedule()
-        if batch is not None:
-            check_batch(sched, batch, worker)
+        while len(in_flight) < sched.max_in_flight:
+            planned = sched.schedule()
+            if planned is None:
+                break
+            check_batch(sched, planned, worker, ahead=bool(in_flight))
+            planned_ahead += bool(in_flight)
+            in_flight.append(planned)
+        if in_flight:
+            batch = in_flight.popleft()
             result = worker.step(batch)
             for rid, spec in named.items():
                 if spec.abort_step == now and spec.abort_in_flight:
@@ -132,6 +147,7 @@ def test_random_workloads_finish_correctly_and_leak_nothing(
 
     assert_pool_whole(sched)
     stats = sched.stats()
+    event(f"planned ahead: {planned_ahead > 0}")
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hits > 0}")
     event(f"aborted: {bool(aborted)}, rejected: {bool(rejected)}")

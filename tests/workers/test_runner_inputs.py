@@ -39,9 +39,11 @@ class NoReadback(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tiny_runner(tmp_path, **kw: Any) -> ModelRunner:
+def _tiny_runner(tmp_path, num_kv_blocks: int = 128, **kw: Any) -> ModelRunner:
     write_llama_config(str(tmp_path), TINY)
-    cfg = EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=128, **kw)
+    cfg = EngineConfig(
+        model=str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=num_kv_blocks, **kw
+    )
     runner = ModelRunner(cfg, str(tmp_path))
     with torch.no_grad():  # wider than the dummy init, so greedy tokens are far from ties
         for p in runner.model.parameters():
@@ -106,6 +108,17 @@ def test_block_table_rows_follow_the_deltas(tmp_path) -> None:
     runner.execute(ExecuteBatch(3, [NewSeq("c", [7] * 5, 5, params, [20, 21], 0, 5)], [], ["b"]))
     assert runner.seqs["c"].row == row_b and table[row_b, :2].tolist() == [20, 21]
     assert table[runner.inputs.pad_row].count_nonzero() == 0  # padding still reads block 0
+
+
+def test_steps_planned_ahead_give_the_same_tokens(tmp_path) -> None:
+    """Async scheduling: every step planned before the previous one's result, the worker taking
+    the tokens it sampled itself; with chunked prefill and a cache small enough to preempt."""
+    runner = _tiny_runner(tmp_path, num_kv_blocks=16, block_size=4, max_num_batched_tokens=16)
+    want, _ = drive_greedy(runner, PROMPTS)
+    got, sched = drive_greedy(runner, PROMPTS, lookahead=True)
+    assert got == want
+    assert sched.stats().num_preemptions > 0
+    assert sched.num_free_blocks == sched.block_pool.num_usable
 
 
 class EagerGraphs:
