@@ -9,6 +9,13 @@ the kernel has descheduled, and a step takes 5-20x longer than on one thread (me
 one thread). So the worker measures, about twice a second, how much CPU time the rest of the
 machine used (/proc/stat's busy time less this process's own), and steps down to fewer threads
 while others use more than `high` cores, back up when they use less than `low`.
+
+It is called before each step, so a window in which the worker itself was mostly idle (used
+less than `idle` cores) says what others did while it had nothing to do, not what they do now:
+such a window only starts a new one. Served, the benchmark client's own start-up (10 s of one core) ended just as
+its first requests came, and the stale window put the worker on one thread for their prefill:
+that request's TTFT was 2x the others' (1270 against ~600 ms at 1,024 tokens), and the first
+wave of a 32-way run waited 1.9-2.7 s against 0.84-1.71 s for the second.
 """
 
 from __future__ import annotations
@@ -50,12 +57,13 @@ class CoreShare:
         interval_s: float = 0.5,
         high: float = 0.6,
         low: float = 0.25,
+        idle: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         sample: Callable[[], tuple[float, float] | None] = cpu_seconds,
     ) -> None:
         self.max_threads = max_threads
         self.threads = max_threads
-        self.interval_s, self.high, self.low = interval_s, high, low
+        self.interval_s, self.high, self.low, self.idle = interval_s, high, low, idle
         self._clock, self._sample = clock, sample
         self._last_t = clock()
         self._last = sample()
@@ -68,8 +76,11 @@ class CoreShare:
         if cur is None:
             return self.threads
         elapsed = now - self._last_t
+        ours = (cur[1] - self._last[1]) / elapsed
         others = ((cur[0] - self._last[0]) - (cur[1] - self._last[1])) / elapsed  # cores in use
         self._last_t, self._last = now, cur
+        if ours < self.idle:  # the worker mostly waited for work: start a fresh window instead
+            return self.threads
         want = self.threads
         if others > self.high and self.threads > 1:
             want = self.threads - 1

@@ -44,6 +44,27 @@ def test_steps_down_under_contention_and_back_up() -> None:
         torch.set_num_threads(before)
 
 
+def test_a_window_of_idle_time_only_starts_a_new_one() -> None:
+    """Others were busy while the worker idled (no steps, no readings): by the next step that
+    says nothing about now, so the count stays until a window of its own says otherwise."""
+    before = torch.get_num_threads()
+    m = FakeMachine()
+    share = CoreShare(2, interval_s=0.5, clock=lambda: m.t, sample=m.sample)
+    try:
+        m.run(10.0, ours=0.0, others=1.0)  # idle, while another process ran
+        assert share.update() == 2  # the stale window: no decision
+        m.run(0.6, ours=2.0, others=0.1)
+        assert share.update() == 2
+        m.run(0.6, ours=2.0, others=1.0)  # contention that lasts a whole window still counts
+        assert share.update() == 1
+        m.run(5.0, ours=0.0, others=0.0)
+        assert share.update() == 1  # nor does an idle window raise it
+        m.run(0.6, ours=1.0, others=0.0)
+        assert share.update() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_without_proc_it_keeps_the_count() -> None:
     share = CoreShare(2, interval_s=0.0, sample=lambda: None)
     assert share.update() == 2
