@@ -141,6 +141,11 @@ def scheduler_main(
         depth = steps_in_flight(cfg, f0.device)  # as every worker derives it from its device
         lookahead = async_scheduling(cfg, depth)
         log.info("pipeline steps in flight: %d; async scheduling: %s", depth, "on" if lookahead else "off")
+        if cfg.async_scheduling and not lookahead:  # asked for, but the pipeline keeps steps in flight
+            log.warning(
+                "async_scheduling is off: %d pipeline steps in flight already overlap planning and running",
+                depth,
+            )
         sched: Scheduler | VirtualEngines = (
             VirtualEngines(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id, depth)
             if depth > 1

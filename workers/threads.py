@@ -12,10 +12,10 @@ while others use more than `high` cores, back up when they use less than `low`.
 
 It is called before each step, so a window in which the worker itself was mostly idle (used
 less than `idle` cores) says what others did while it had nothing to do, not what they do now:
-such a window only starts a new one. Served, the benchmark client's own start-up (10 s of one core) ended just as
-its first requests came, and the stale window put the worker on one thread for their prefill:
-that request's TTFT was 2x the others' (1270 against ~600 ms at 1,024 tokens), and the first
-wave of a 32-way run waited 1.9-2.7 s against 0.84-1.71 s for the second.
+such a window only starts a new one. Served, the benchmark client's own start-up (10 s of one
+core) ended just as its first requests came, and the stale window put the worker on one thread
+for their prefill: that request's TTFT was 2x the others' (1270 against ~600 ms at 1,024
+tokens), and the first wave of a 32-way run waited 1.9-2.7 s against 0.84-1.71 s for the second.
 """
 
 from __future__ import annotations
