@@ -26,7 +26,8 @@ FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
-    model, flags = None, set()
+    model: str | None = None
+    flags: set[str] = set()
     try:
         with open(path) as f:
             for line in f:
