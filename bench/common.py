@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("bench")
@@ -52,6 +54,16 @@ def cpu_flags() -> list[str]:
     except (OSError, StopIteration):
         return []
     return sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "sse4", "fma", "amx")))
+
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` calls of fn, in seconds (the least disturbed by the rest of the machine)."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:

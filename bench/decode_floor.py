@@ -17,12 +17,12 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from bench.common import best_of as common_best_of
 from bench.common import cpu_flags, device_name, emit, git_sha, log, setup_logging
 from bench.peer_runners import ceilings
 
@@ -85,13 +85,8 @@ def engine_tables(batch: int, context: int, prompt: int) -> torch.Tensor:
 
 
 def best_of(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    fn()  # first call: builds, faults pages in
+    return common_best_of(fn, reps)
 
 
 def measure(

@@ -21,26 +21,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import time
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import best_of as _best
 from bench.common import cpu_flags, emit, setup_logging
 from bench.linear_layout import SHAPES
 
 G = 32
-
-
-def _best(fn: Callable[[], torch.Tensor], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _kernels(path: str | None) -> ModuleType:
