@@ -379,6 +379,10 @@ class Scheduler:
         self.block_pool.free(reversed(seq.blocks))
         if seq.known_to_worker:
             self._dropped.append(seq.seq_id)
+        # Its steps in flight ran the sequence it was: their results must not advance the one
+        # that recomputes, which the priority policy may re-admit in this very plan.
+        for _, planned in self._in_flight:
+            planned[:] = [(s, n) for s, n in planned if s is not seq]
         seq.reset()
         bisect.insort(self.waiting, seq, key=_sort_key)
         self._num_preemptions += 1
@@ -443,7 +447,7 @@ class Scheduler:
         any_finished = False
         for seq, n in plan:
             if seq.status is not SeqStatus.RUNNING:
-                continue  # aborted, finished or preempted while the step ran
+                continue  # aborted, finished or preempted (and not re-admitted) while the step ran
             num_spec, seq.num_spec_tokens, seq.spec_token_ids = seq.num_spec_tokens, 0, []
             seq.num_computed_tokens += n - num_spec
             seq.num_ahead -= n

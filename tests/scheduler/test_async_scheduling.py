@@ -127,3 +127,29 @@ def test_preemption_while_a_step_is_in_flight_gives_the_unconstrained_output() -
         want = expected_output(p, 0, make_req(rid, [1], max_tokens=5).params, None, 16)
         assert (out.tokens[(rid, 0)], out.finish[(rid, 0)]) == want
     assert_pool_whole(sched)
+
+
+def test_a_tail_preempted_and_readmitted_in_one_plan_ignores_its_old_step() -> None:
+    """Priority: a waiting head that does not fit preempts the running tail, which fits again in
+    the same plan (its prompt is a prefix hit). The tail's decode still in flight belongs to the
+    sequence it was before: that token must not be appended to the recomputing one."""
+    # Twenty usable blocks of one token, 16 tokens a step, two seats.
+    sched = make_sched(num_blocks=21, max_model_len=32, lookahead=True, block_size=1, enable_prefix_caching=True,
+                       scheduling_policy="priority", max_num_batched_tokens=16, max_num_seqs=2)
+    worker, out = FakeWorker(sched.block_size), Outputs()
+    low, high = [3, 4, 5, 6, 7, 8, 9], [10 + i for i in range(12)]
+    sched.add_request(make_req("low", low, max_tokens=5, priority=1))
+    first, second = sched.schedule(), sched.schedule()  # the prompt, then a decode planned ahead
+    assert first is not None and second is not None
+    out.record(sched.update(first, worker.step(first)))
+    sched.add_request(make_req("high", high, max_tokens=2, priority=0))
+    third = sched.schedule()  # "low" (8 blocks + 1 to grow) is preempted for "high", then hits 7
+    assert third is not None and sched.stats().num_preemptions == 1
+    assert "low#0" in third.finished_seq_ids and {s.seq_id for s in third.new_seqs} == {"high#0", "low#0"}
+    out.record(sched.update(second, worker.step(second)))  # the old sequence's decode: ignored
+    out.record(sched.update(third, worker.step(third)))
+    _run_ahead(sched, worker, out)
+    for rid, prompt, mt in (("low", low, 5), ("high", high, 2)):
+        want = expected_output(prompt, 0, make_req(rid, [1], max_tokens=mt).params, None, 32)
+        assert (out.tokens[(rid, 0)], out.finish[(rid, 0)]) == want
+    assert_pool_whole(sched)
