@@ -134,8 +134,16 @@ def test_a_tail_preempted_and_readmitted_in_one_plan_ignores_its_old_step() -> N
     the same plan (its prompt is a prefix hit). The tail's decode still in flight belongs to the
     sequence it was before: that token must not be appended to the recomputing one."""
     # Twenty usable blocks of one token, 16 tokens a step, two seats.
-    sched = make_sched(num_blocks=21, max_model_len=32, lookahead=True, block_size=1, enable_prefix_caching=True,
-                       scheduling_policy="priority", max_num_batched_tokens=16, max_num_seqs=2)
+    sched = make_sched(
+        num_blocks=21,
+        max_model_len=32,
+        lookahead=True,
+        block_size=1,
+        enable_prefix_caching=True,
+        scheduling_policy="priority",
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+    )
     worker, out = FakeWorker(sched.block_size), Outputs()
     low, high = [3, 4, 5, 6, 7, 8, 9], [10 + i for i in range(12)]
     sched.add_request(make_req("low", low, max_tokens=5, priority=1))
