@@ -129,6 +129,58 @@ def rotary_embedding(
     return q_out, k_out
 
 
+def k_cache_shape(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, ...]:
+    """The K cache's shape for these ops. bf16 caches of 16-token blocks and head_dim 64 or 128 on
+    AVX-512 BF16 builds hold each block in token pairs, [blocks, kv_heads, head_dim / 2, 16, 2]
+    (csrc/cpu_ops.cpp, CacheDims): a decode's scores then come out with tokens in vector lanes,
+    where the row layout [blocks, block_size, kv_heads, head_dim] needs a transposing sum per
+    head and block. Everything else (and every V cache) keeps the rows. PAGEBUS_K_TOKEN_PAIRS=0
+    keeps them for K too (for A/B measurement)."""
+    rows = (num_blocks, block_size, kv_heads, head_dim)
+    if (
+        dtype is not torch.bfloat16
+        or block_size != 16
+        or head_dim not in (64, 128)
+        or os.environ.get("PAGEBUS_K_TOKEN_PAIRS", "1") == "0"
+        or available() is not None
+        or not native_ops().bf16_tiles_built()
+    ):
+        return rows
+    return (num_blocks, kv_heads, head_dim // 2, block_size, 2)
+
+
+def k_rows(k_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks of a K cache as rows [n, block_size, kv_heads, head_dim] (a gathered copy of a
+    token-pairs cache; index select of a row one)."""
+    k = k_cache[blocks]
+    if k_cache.dim() == 4:
+        return k
+    n, kvh, half, bs, _ = k.shape
+    return k.permute(0, 3, 1, 2, 4).reshape(n, bs, kvh, 2 * half)
+
+
+def _row_caches(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, lens: list[int], rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-layout copies of the blocks that sequences `rows` use, and their block tables into
+    the copies (rows in that order): what the prefill kernels and the torch backend read of a
+    token-pairs K cache. A prefill step copies each chunk's context once a layer, a few hundred
+    KiB against the chunk's attention FLOPs."""
+    bs = v_cache.shape[1]
+    counts = [-(-lens[i] // bs) for i in rows]
+    width = max(counts)
+    tables = torch.zeros(len(rows), width, dtype=torch.int32)
+    used, at = [], 0
+    for r, (i, c) in enumerate(zip(rows, counts, strict=True)):
+        used.append(block_tables[i, :c])
+        tables[r, :c] = torch.arange(at, at + c, dtype=torch.int32)
+        at += c
+    blocks = torch.cat(used).long()
+    return k_rows(k_cache, blocks), v_cache[blocks], tables
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -139,12 +191,23 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
+    if k_cache.dim() == 5:  # token pairs: bf16 only, written by the compiled op alone
+        native_ops().write_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)
+        return
     if not _native(key, value, k_cache, v_cache) or not _rows(key, value):
         write_kv_cache_cpu(
             key, value, k_cache, v_cache, slot_mapping, memo=memo, k_scale=k_scale, v_scale=v_scale
         )
         return
     native_ops().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def native_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches the compiled attention reads: rows of contiguous head vectors in one layout, or a
+    token-pairs K cache beside a contiguous V cache (the compiled ops check the rest)."""
+    if k_cache.dim() == 5:
+        return k_cache.is_contiguous() and v_cache.is_contiguous()
+    return k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
 
 
 def _rows(*xs: torch.Tensor) -> bool:
@@ -181,10 +244,18 @@ def paged_attention(
         and k_scale == 1.0
         and v_scale == 1.0
         and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
-        and k_cache.stride(3) == 1
-        and k_cache.stride() == v_cache.stride()
+        and native_caches(k_cache, v_cache)
         and _rows(q)
     )
+    starts, lens = query_start_loc_host, seq_lens_host
+    if not native and k_cache.dim() == 5:
+        lens = lens if lens is not None else seq_lens.tolist()
+        k4, v4, tables = _row_caches(k_cache, v_cache, block_tables, lens, list(range(len(lens))))
+        return paged_attention(
+            q, k4, v4, tables.to(block_tables.dtype), seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, seq_lens_host=seq_lens_host,
+            query_start_loc_host=query_start_loc_host, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     if not native:
         return paged_attention_cpu(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -195,17 +266,54 @@ def paged_attention(
     native_ops().decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if max_query_len == 1:
         return out
+    starts = starts if starts is not None else query_start_loc.tolist()
+    lens = lens if lens is not None else seq_lens.tolist()
+    if k_cache.dim() == 5:
+        _prefill_token_pairs(out, q, k_cache, v_cache, block_tables, lens, starts, scale)
+        return out
     if native_ops().prefill_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     ):
         return out
-    starts = query_start_loc_host if query_start_loc_host is not None else query_start_loc.tolist()
-    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
     for i in range(len(starts) - 1):
         a, b = starts[i], starts[i + 1]
         if b - a > 1:
             out[a:b] = _prefill(q[a:b], k_cache, v_cache, block_tables[i], lens[i], scale)
     return out
+
+
+def _prefill_token_pairs(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: list[int],
+    starts: list[int],
+    scale: float,
+) -> None:
+    """The prefill chunks' attention over a token-pairs K cache: the chunks' blocks copied into
+    the row layout, then prefill_attention over those rows as one batch."""
+    rows = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1]
+    if not rows:
+        return
+    k4, v4, tables = _row_caches(k_cache, v_cache, block_tables, lens, rows)
+    spans = [(starts[i], starts[i + 1]) for i in rows]
+    sub_q = torch.cat([q[a:b] for a, b in spans])
+    sub_starts = [0]
+    for a, b in spans:
+        sub_starts.append(sub_starts[-1] + b - a)
+    sub_lens = [lens[i] for i in rows]
+    sub_out = torch.empty_like(sub_q)
+    qsl = torch.tensor(sub_starts, dtype=torch.int32)
+    if not native_ops().prefill_attention(
+        sub_out, sub_q, k4, v4, tables, torch.tensor(sub_lens, dtype=torch.int32), qsl, scale
+    ):
+        for r in range(len(rows)):
+            a, b = sub_starts[r], sub_starts[r + 1]
+            sub_out[a:b] = _prefill(sub_q[a:b], k4, v4, tables[r], sub_lens[r], scale)
+    for r, (a, b) in enumerate(spans):
+        out[a:b] = sub_out[sub_starts[r] : sub_starts[r + 1]]
 
 
 def qkv_decode_attention(
@@ -229,8 +337,7 @@ def qkv_decode_attention(
         _native(qkv, k_cache, v_cache)
         and cos_sin_cache.dtype is torch.float32
         and qkv.stride(1) == 1
-        and k_cache.stride(3) == 1
-        and k_cache.stride() == v_cache.stride()
+        and native_caches(k_cache, v_cache)
         and block_tables.dtype is torch.int32
         and seq_lens.dtype is torch.int32
         and query_start_loc.dtype is torch.int32

@@ -18,7 +18,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     logits_indices: torch.Tensor  # [num_sampling_seqs] int64: rows whose logits are sampled
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, kv_heads, d] x2
+    # per layer (K, V): [num_blocks, bs, kv_heads, d] each, or K in token pairs on CPUs (Ops.k_cache_shape)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ops: Ops
     # Host-side facts of the step, so no op reads a device tensor back to learn them (None:
     # unknown, an op that needs one reads it back).

@@ -41,6 +41,9 @@ class Ops:
     qkv_decode_attention: Callable[..., torch.Tensor | None] | None = None
     # (heads, kv_heads, scale, eps) -> an empty compiled decode stack; None: the backend has none
     decode_stack: Callable[[int, int, float, float], Any] | None = None
+    # (blocks, block_size, kv_heads, head_dim, dtype) -> the K cache's shape; None: the rows
+    # layout every backend reads, [blocks, block_size, kv_heads, head_dim] (V's always)
+    k_cache_shape: Callable[[int, int, int, int, torch.dtype], tuple[int, ...]] | None = None
 
     def fused_decode_attention(
         self,
@@ -99,7 +102,7 @@ def cpu_ops() -> Ops:
 
     return Ops(
         "cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention,
-        n.qkv_decode_attention, n.decode_stack,
+        n.qkv_decode_attention, n.decode_stack, n.k_cache_shape,
     )  # fmt: skip
 
 

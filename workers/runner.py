@@ -219,15 +219,16 @@ class ModelRunner:
         # The block count follows the cache's element size: an e4m3 cache fits 2x (4x vs fp32) the blocks.
         self.num_blocks = num_kv_blocks(cfg, kv_mc, self.kv_dtype, self.device, budget)
         shape = (self.num_blocks, cfg.block_size, kv_mc.num_kv_heads, mc.head_dim)
+        k_shape = self.ops.k_cache_shape(*shape, self.kv_dtype) if self.ops.k_cache_shape else shape
         held = self.parallel.layout.layers(mc.num_layers)
         self.kv_caches: KVCaches = [
-            (torch.zeros(shape if i in held else 0, dtype=self.kv_dtype, device=self.device),
+            (torch.zeros(k_shape if i in held else 0, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape if i in held else 0, dtype=self.kv_dtype, device=self.device))
             for i in range(mc.num_layers)
         ]  # fmt: skip
         log.info(
-            "KV cache: %d blocks of %d tokens, %s (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
-            self.num_blocks, cfg.block_size, self.kv_dtype,
+            "KV cache: %d blocks of %d tokens, %s%s (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
+            self.num_blocks, cfg.block_size, self.kv_dtype, ", K in token pairs" if len(k_shape) == 5 else "",
             2 * sum(k.numel() * k.element_size() for k, _ in self.kv_caches) / GiB,
             (self.num_blocks - 1) * cfg.block_size / self.max_model_len, self.max_model_len,
         )  # fmt: skip
