@@ -66,3 +66,10 @@ def make_batch(
         torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         qsl.to(DEVICE),
     )
+
+
+def to_token_pairs(k_cache: torch.Tensor) -> torch.Tensor:
+    """A row-layout K cache [blocks, 16, kvh, d] in token pairs [blocks, kvh, d / 2, 16, 2]
+    (kernels/cpu_native.py k_cache_shape), contiguous."""
+    nb, bs, kvh, d = k_cache.shape
+    return k_cache.reshape(nb, bs, kvh, d // 2, 2).permute(0, 2, 3, 1, 4).contiguous()

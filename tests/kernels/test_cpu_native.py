@@ -19,13 +19,18 @@ from pagebus.kernels.rms_norm import rms_norm_cpu, rms_norm_ref
 from pagebus.kernels.rotary import rotary_embedding_ref
 from pagebus.workers.ops import select_ops
 
-from tests.kernels.paged_batch import make_batch
+from tests.kernels.paged_batch import make_batch, to_token_pairs
 from tests.kernels.test_paged_attention import DECODES, MIXED
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ops")
 TOLS = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2}}
 TOL = TOLS[torch.float32]
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+_NO_BF16 = "bfloat16 tiles and token-pairs K caches need an AVX-512 BF16 CPU"
+
+
+def _bf16_built() -> bool:
+    return native.available() is None and native.native_ops().bf16_tiles_built()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -140,16 +145,28 @@ def test_long_prefill_attention(head_dim: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
-@DTYPES
+@pytest.mark.parametrize(
+    ("dtype", "k_layout"),
+    [
+        (torch.float32, "rows"),
+        (torch.bfloat16, "rows"),
+        pytest.param(
+            torch.bfloat16, "token_pairs", marks=pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)
+        ),
+    ],
+)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "rot"), [(9, 3, 64), (8, 1, 32)])
 def test_fused_decode_attention_is_the_separate_ops(
-    num_heads: int, num_kv_heads: int, rot: int, dtype: torch.dtype
+    num_heads: int, num_kv_heads: int, rot: int, dtype: torch.dtype, k_layout: str
 ) -> None:
-    """qkv_decode_attention = rotary, then write_kv, then paged_attention, caches included."""
+    """qkv_decode_attention = rotary, then write_kv, then paged_attention, caches included (also
+    on a token-pairs K cache, kernels/cpu_native.py k_cache_shape)."""
     from pagebus.workers.layers.rotary import build_cos_sin_cache
 
     d, bs = 64, 16
     batch = make_batch(DECODES, num_heads, num_kv_heads, d, dtype=dtype)
+    if k_layout == "token_pairs":
+        batch.k_cache, batch.v_cache = to_token_pairs(batch.k_cache), batch.v_cache.contiguous()
     t = len(DECODES)
     qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * d).to(dtype)
     positions = batch.seq_lens.long() - 1
@@ -229,9 +246,7 @@ def test_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
     torch.testing.assert_close(native.linear_tiles(x.unsqueeze(0), tiles)[0], want - b, atol=1e-4, rtol=1e-4)
 
 
-BF16_TILES = pytest.mark.skipif(
-    not native.native_ops().bf16_tiles_built(), reason="bfloat16 tiles need an AVX-512 BF16 CPU"
-)
+BF16_TILES = pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)
 
 
 @BF16_TILES

@@ -3,7 +3,8 @@
 
 Every op that reads or writes it must give what the row layout gives: writes land on the same
 values, prefill (read through a gathered copy) is the row kernels' result exactly, decode (its
-own score kernel, sums in another order) matches the reference within bf16's rounding.
+own score kernel, sums in another order) matches the reference within bf16's rounding. The fused
+decode op on this layout is tested beside its row-layout case (test_cpu_native.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from pagebus.kernels import cpu_native as native
 from pagebus.kernels.paged_attention import paged_attention_ref
 
-from tests.kernels.paged_batch import make_batch
+from tests.kernels.paged_batch import make_batch, to_token_pairs
 from tests.kernels.test_paged_attention import DECODES, MIXED
 
 pytestmark = [
@@ -27,12 +28,6 @@ pytestmark = [
 ]
 BF16 = {"atol": 1.6e-2, "rtol": 1.6e-2}
 PREFILLS = [(40, 0), (17, 0), (16, 16), (2, 0), (1, 7), (100, 37)]
-
-
-def to_pairs(k_cache: torch.Tensor) -> torch.Tensor:
-    """A row-layout K cache [blocks, 16, kvh, d] in token pairs [blocks, kvh, d / 2, 16, 2]."""
-    nb, bs, kvh, d = k_cache.shape
-    return k_cache.reshape(nb, bs, kvh, d // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def test_the_shape_is_pairs_only_for_bf16_16_token_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,20 +43,20 @@ def test_the_shape_is_pairs_only_for_bf16_16_token_blocks(monkeypatch: pytest.Mo
 def test_k_rows_undoes_the_layout() -> None:
     k = torch.randn(7, 16, 3, 64).to(torch.bfloat16)
     blocks = torch.tensor([4, 0, 6])
-    assert torch.equal(native.k_rows(to_pairs(k), blocks), k[blocks])
+    assert torch.equal(native.k_rows(to_token_pairs(k), blocks), k[blocks])
 
 
 def test_write_kv_puts_the_row_layouts_values() -> None:
     g = torch.Generator().manual_seed(0)
     k_rows = torch.randn(8, 16, 3, 64, generator=g).to(torch.bfloat16)
     v = torch.randn(8, 16, 3, 64, generator=g).to(torch.bfloat16)
-    k_pairs, v_pairs = to_pairs(k_rows), v.clone()
+    k_pairs, v_pairs = to_token_pairs(k_rows), v.clone()
     key, value = torch.randn(5, 3, 64, generator=g).to(torch.bfloat16), torch.randn(5, 3, 64, generator=g)
     value = value.to(torch.bfloat16)
     slots = torch.tensor([3, -1, 17, 127, 64])
     native.write_kv_cache(key, value, k_rows, v, slots)
     native.write_kv_cache(key, value, k_pairs, v_pairs, slots)
-    assert torch.equal(k_pairs, to_pairs(k_rows)) and torch.equal(v_pairs, v)
+    assert torch.equal(k_pairs, to_token_pairs(k_rows)) and torch.equal(v_pairs, v)
     with pytest.raises(RuntimeError, match="beyond the cache"):
         native.write_kv_cache(key[:1], value[:1], k_pairs, v_pairs, torch.tensor([128]))
 
@@ -74,7 +69,7 @@ def test_attention(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     scale = head_dim**-0.5
     rest = batch.args()[3:]
     max_q = max(n for n, _ in seqs)
-    k_pairs = to_pairs(batch.k_cache.contiguous())
+    k_pairs = to_token_pairs(batch.k_cache.contiguous())
     v = batch.v_cache.contiguous()
     rows = native.paged_attention(batch.q, batch.k_cache, batch.v_cache, *rest, scale, max_query_len=max_q)
     got = native.paged_attention(batch.q, k_pairs, v, *rest, scale, max_query_len=max_q)
@@ -89,36 +84,10 @@ def test_attention(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     torch.testing.assert_close(got[decode], rows[decode], atol=8e-3, rtol=8e-3)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "rot"), [(9, 3, 64), (8, 1, 32)])
-def test_fused_decode_attention_is_the_separate_ops(num_heads: int, num_kv_heads: int, rot: int) -> None:
-    from pagebus.workers.layers.rotary import build_cos_sin_cache
-
-    d, bs, dtype = 64, 16, torch.bfloat16
-    batch = make_batch(DECODES, num_heads, num_kv_heads, d, dtype=dtype)
-    t = len(DECODES)
-    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * d).to(dtype)
-    positions = batch.seq_lens.long() - 1
-    slots = batch.block_tables[torch.arange(t), positions // bs].long() * bs + positions % bs
-    cos_sin = build_cos_sin_cache(rot, 2048, 10000.0, None)
-    tables = batch.args()[3:]
-    k_pairs, v = to_pairs(batch.k_cache.contiguous()), batch.v_cache.contiguous()
-    sep_k, sep_v = k_pairs.clone(), v.clone()
-    q, k, vv = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-    q, k = native.rotary_embedding(positions, q.view(t, -1, d), k.view(t, -1, d), cos_sin)
-    native.write_kv_cache(k, vv.reshape(t, -1, d), sep_k, sep_v, slots)
-    want = native.paged_attention(q, sep_k, sep_v, *tables, 0.125, max_query_len=1)
-    got = native.qkv_decode_attention(
-        qkv, num_heads, num_kv_heads, positions, cos_sin, k_pairs, v, slots, *tables, 0.125
-    )
-    assert got is not None
-    assert torch.equal(got, want.reshape(t, -1))
-    assert torch.equal(k_pairs, sep_k) and torch.equal(v, sep_v)
-
-
 def test_the_torch_fallback_reads_a_gathered_copy() -> None:
     """A call the compiled attention does not take (int64 block tables) still reads the pairs."""
     batch = make_batch(MIXED, 9, 3, 64, dtype=torch.bfloat16)
-    k_pairs, v = to_pairs(batch.k_cache.contiguous()), batch.v_cache.contiguous()
+    k_pairs, v = to_token_pairs(batch.k_cache.contiguous()), batch.v_cache.contiguous()
     tables = batch.block_tables.long()
     got = native.paged_attention(batch.q, k_pairs, v, tables, *batch.args()[4:], 0.125, max_query_len=129)
     torch.testing.assert_close(got, paged_attention_ref(*batch.args(), 0.125), **BF16)
