@@ -299,8 +299,37 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// The float32 vector the tile matmul and decode attention are written in: a zmm (16 lanes) on
+// AVX-512 builds, a ymm (8 lanes) on AVX2 + FMA ones (PAGEBUS_SIMD: either). AVX2 has 16 vector
+// registers where AVX-512 has 32, so the kernels' blockings depend on which (kTileVecs, HC).
+#if defined(__AVX512F__)
+#define PAGEBUS_SIMD 1
+using vf = __m512;
+constexpr int64_t kLanes = 16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEBUS_SIMD 1
+using vf = __m256;
+constexpr int64_t kLanes = 8;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+constexpr int64_t kLanes = 16;  // no kernel of this file vectorises by hand; only the tile size
 #endif
 
 // scores[hh] = q[hh] . k for the `group` query heads sharing one K row (heads adjacent in q).
@@ -344,6 +373,7 @@ inline void softmax_rows(float* sp, int64_t h, int64_t L) {
   }
 }
 
+#ifdef PAGEBUS_SIMD
 #ifdef __AVX512F__
 // The 16 horizontal sums of v[0..15] as one vector, lane i = sum of v[i]: 45 shuffles and
 // adds in all, against about 9 for each _mm512_reduce_add_ps.
@@ -361,6 +391,11 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+inline vf sum_lanes(const vf* v) { return sum16(v); }
+// The first n lanes of v into p.
+inline void vstore_first(float* p, vf v, int64_t n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+}
 
 // 16 cache values as float32 (bf16 widened exactly: its bits are a float's top half), and 16
 // float32 sums stored as the cache's type (bf16 rounded to nearest even, as torch rounds).
@@ -374,7 +409,22 @@ inline __m512 load16(const bf16* p) {
 inline void store16(bf16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
+inline vf vload(const bf16* p) { return load16(p); }
+inline void vstore(bf16* p, vf v) { store16(p, v); }
 #endif
+#else
+// The 8 horizontal sums of v[0..7] as one vector, lane i = sum of v[i] (AVX2's sum16).
+inline vf sum_lanes(const vf* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // u0 lane i < 4: v[i]'s first half summed, lane 4 + i its second; u1 the same for v[4 + i]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline void vstore_first(float* p, vf v, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane), v);
+}
+#endif  // __AVX512F__
 
 // Ask for `bytes` from p on into L1, a cache line at a time.
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -383,23 +433,26 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 }
 
 // One query head's scores against a 16-token block of K rows (n <= 16 of them valid), scaled:
-// a vector of partial products per token, then one transposing sum for all 16.
+// a vector of partial products per token, then one transposing sum per kLanes tokens.
 template <int NV, typename T>
 inline void block_scores(const float* __restrict__ q, const T* __restrict__ k0, int64_t kstride, int64_t n, float sc,
                          float* __restrict__ out) {
-  __m512 qv[NV], acc[16];
-  for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int o = 0; o < 16; ++o) {
-    if (o >= n) {
-      acc[o] = _mm512_setzero_ps();
-      continue;
+  vf qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = vload(q + kLanes * c);
+  for (int64_t o0 = 0; o0 < n; o0 += kLanes) {
+    vf acc[kLanes];
+    for (int64_t o = 0; o < kLanes; ++o) {
+      if (o0 + o >= n) {
+        acc[o] = vzero();
+        continue;
+      }
+      const T* k = k0 + (o0 + o) * kstride;
+      vf a = vmul(qv[0], vload(k));
+      for (int c = 1; c < NV; ++c) a = vfmadd(qv[c], vload(k + kLanes * c), a);
+      acc[o] = a;
     }
-    const T* k = k0 + o * kstride;
-    __m512 a = _mm512_mul_ps(qv[0], load16(k));
-    for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
-    acc[o] = a;
+    vstore_first(out + o0, vmul(sum_lanes(acc), vset1(sc)), std::min<int64_t>(kLanes, n - o0));
   }
-  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
 }
 
 // out[hh] = sum_j p[hh, j] V[j] for HC query heads sharing one KV head: the outputs stay in
@@ -407,9 +460,9 @@ inline void block_scores(const float* __restrict__ q, const T* __restrict__ k0, 
 template <int NV, int HC, typename T>
 inline void heads_times_v(const float* __restrict__ p, int64_t L, const T* vc, const int32_t* table, int64_t s0,
                           int64_t s1, int64_t bs, T* __restrict__ out, int64_t d) {
-  __m512 acc[HC][NV];
+  vf acc[HC][NV];
   for (int i = 0; i < HC; ++i)
-    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c) acc[i][c] = vzero();
   for (int64_t j0 = 0; j0 < L; j0 += bs) {
     const T* base = vc + table[j0 / bs] * s0;
     const int64_t n = std::min(bs, L - j0);
@@ -423,18 +476,19 @@ inline void heads_times_v(const float* __restrict__ p, int64_t L, const T* vc, c
       const T* vr = base + o * s1;
       if (next1 != nullptr) prefetch_row(next1 + o * s1, d * static_cast<int64_t>(sizeof(T)));
       if (next2 != nullptr) prefetch_row(next2 + o * s1, d * static_cast<int64_t>(sizeof(T)));
-      __m512 vv[NV];
-      for (int c = 0; c < NV; ++c) vv[c] = load16(vr + 16 * c);
+      vf vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = vload(vr + kLanes * c);
       for (int i = 0; i < HC; ++i) {
-        const __m512 pj = _mm512_set1_ps(p[i * L + j0 + o]);
-        for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(pj, vv[c], acc[i][c]);
+        const vf pj = vset1(p[i * L + j0 + o]);
+        for (int c = 0; c < NV; ++c) acc[i][c] = vfmadd(pj, vv[c], acc[i][c]);
       }
     }
   }
   for (int i = 0; i < HC; ++i)
-    for (int c = 0; c < NV; ++c) store16(out + i * d + 16 * c, acc[i][c]);
+    for (int c = 0; c < NV; ++c) vstore(out + i * d + kLanes * c, acc[i][c]);
 }
 
+#ifdef __AVX512F__
 // e^x of 16 floats: fast_exp's range reduction and polynomial, lane by lane.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
@@ -652,18 +706,20 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
     }
   });
 }
-#endif
+#endif  // __AVX512BF16__
+#endif  // __AVX512F__
 
-// decode_rows for float32 caches of 16-token blocks and head_dim 16 * NV (bf16 caches take
+// decode_rows for float32 caches of 16-token blocks and head_dim kLanes * NV (bf16 caches take
 // decode_rows_pairs): the same work items, float32 arithmetic and softmax; scores 16 tokens at a
 // time (block_scores) and the V sums in registers (heads_times_v), rounded once into `out`. At
-// 32 sequences of ~200 tokens this halved attention's share of a float32 step.
+// 32 sequences of ~200 tokens this halved attention's share of a float32 step (AVX-512).
 template <int NV, typename T>
 void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
                       int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
                       int64_t h, int64_t kvh, float sc) {
-  constexpr int64_t d = 16 * NV, bs = 16;
-  constexpr int HC = NV <= 4 ? 3 : 2;
+  constexpr int64_t d = kLanes * NV, bs = 16;
+  // query heads per pass over V: their sums and a V row in registers (32 on AVX-512, 16 on AVX2)
+  constexpr int HC = kLanes == 16 ? (NV <= 4 ? 3 : 2) : 1;
   const int64_t group = h / kvh;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> scores, qbuf(static_cast<size_t>(h * d));
@@ -700,7 +756,7 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, 
     }
   });
 }
-#endif
+#endif  // PAGEBUS_SIMD
 
 // Attention for the sequences with one query token (decodes), reading the paged caches in
 // place: out[t] for t = query_start_loc[b] of every such b; other rows are left untouched.
@@ -807,10 +863,10 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   }
 #endif
   TORCH_CHECK(!kd.pairs, "decode_attention: this build has no kernel for a token-pairs K cache (AVX-512 BF16)");
-#ifdef __AVX512F__
+#ifdef PAGEBUS_SIMD
   if (bs == 16 && (d == 64 || d == 128)) {
 #define FAST(T)                                                                                                   \
-  (d == 64 ? decode_rows_fast<4, T> : decode_rows_fast<8, T>)(                                                    \
+  (d == 64 ? decode_rows_fast<64 / kLanes, T> : decode_rows_fast<128 / kLanes, T>)(                               \
       out.data_ptr<T>(), out.stride(0), q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), \
       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), btp, width, lp, qp0, B, h, kvh, sc)
     if (st == torch::kFloat32) {
@@ -1346,11 +1402,18 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
 // W [N, K] is held as column tiles: each tile's kTile output columns over all of K are one
 // contiguous run, so a tile streams from memory in order and the next tile can be prefetched
 // while the current one is reused from cache by later row blocks of x.
-//   float32:  [N / kTile, K, kTile]        one k a step (FMA: 16 products an instruction)
+//   float32:  [N / kTile, K, kTile]        one k a step (FMA: a vector's products an instruction)
 //   bfloat16: [N / kTile, K / 2, kTile, 2] a pair of k a step, each column's pair adjacent, as
 //             vdpbf16ps multiplies them (AVX-512 BF16: 32 products an instruction, fp32 sums)
-// Either way a step reads 192 bytes of a tile (3 vectors) for kTile columns.
-constexpr int64_t kTileVecs = 3, kTile = 16 * kTileVecs, kRowBlock = 8, kStepBytes = 64 * kTileVecs;
+// A step reads kTileVecs vectors of a tile for kTile columns: on AVX-512 3 (48 columns) for row
+// blocks of 8 (24 sums + 3 W + x in the 32 registers), on AVX2 2 (16 columns) for blocks of 6
+// (12 + 2 + 1 of 16: the 6 x 16 block of BLIS's and OpenBLAS's Haswell sgemm kernels).
+#ifdef __AVX512F__
+constexpr int64_t kTileVecs = 3, kRowBlock = 8, kFewRows = 4;
+#else
+constexpr int64_t kTileVecs = 2, kRowBlock = 6, kFewRows = 2;
+#endif
+constexpr int64_t kTile = kLanes * kTileVecs, kStepBytes = 4 * kLanes * kTileVecs;
 
 torch::Tensor pack_tiles(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % kTile == 0, "pack_tiles: [N, K] with N a multiple of ", kTile);
@@ -1362,7 +1425,7 @@ torch::Tensor pack_tiles(torch::Tensor w) {
   return w.reshape({N / kTile, kTile, K}).transpose(1, 2).contiguous();
 }
 
-#ifdef __AVX512F__
+#ifdef PAGEBUS_SIMD
 // One step of the K loop per element type: `kStep` columns of x broadcast, a tile vector
 // loaded, multiplied into fp32 sums, and the sums stored as T.
 template <typename T>
@@ -1371,10 +1434,10 @@ struct TileStep;
 template <>
 struct TileStep<float> {
   static constexpr int64_t kStep = 1;
-  static __m512 bcast(const float* x, int64_t s) { return _mm512_set1_ps(x[s]); }
-  static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
-  static __m512 madd(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-  static void store(float* y, __m512 acc) { _mm512_storeu_ps(y, acc); }
+  static vf bcast(const float* x, int64_t s) { return vset1(x[s]); }
+  static vf load(const float* w) { return vload(w); }
+  static vf madd(vf acc, vf x, vf w) { return vfmadd(x, w, acc); }
+  static void store(float* y, vf acc) { vstore(y, acc); }
 };
 
 #ifdef __AVX512BF16__
@@ -1404,25 +1467,25 @@ static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const T* __re
                              int64_t ldy, int64_t steps, const T* pf, int64_t pf_lines) {
   using S = TileStep<T>;
   constexpr int64_t E = kTile * S::kStep;  // elements of a tile per step
-  __m512 acc[MR][kTileVecs];
+  vf acc[MR][kTileVecs];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
   const char* pl = reinterpret_cast<const char*>(pf);
   int64_t owed = 0;  // lines due so far, times `steps` (a running share of pf_lines per step)
   for (int64_t s = 0; s < steps; ++s) {
     for (owed += pf_lines; owed >= steps; owed -= steps, pl += 64) _mm_prefetch(pl, PF_HINT);
-    __m512 wv[kTileVecs];
+    vf wv[kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) wv[v] = S::load(w + s * E + v * (E / kTileVecs));
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = S::bcast(x + r * ldx, s);
+      const vf xb = S::bcast(x + r * ldx, s);
       for (int v = 0; v < kTileVecs; ++v) acc[r][v] = S::madd(acc[r][v], xb, wv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kTileVecs; ++v) S::store(y + r * ldy + 16 * v, acc[r][v]);
+    for (int v = 0; v < kTileVecs; ++v) S::store(y + r * ldy + kLanes * v, acc[r][v]);
 }
 
-// Up to 4 rows of x against two tiles at once: two independent streams from memory, for the
+// Up to kFewRows rows of x against two tiles at once: two independent streams from memory, for the
 // GEMV-like calls (decode of one or a few sequences) that wait on DRAM, not on FMAs.
 template <typename T, int MR>
 static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const T* __restrict__ wa,
@@ -1430,24 +1493,24 @@ static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const T* __re
                              int64_t steps) {
   using S = TileStep<T>;
   constexpr int64_t E = kTile * S::kStep;
-  __m512 acc[MR][2 * kTileVecs];
+  vf acc[MR][2 * kTileVecs];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = vzero();
   for (int64_t s = 0; s < steps; ++s) {
-    __m512 wv[2 * kTileVecs];
+    vf wv[2 * kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) {
       wv[v] = S::load(wa + s * E + v * (E / kTileVecs));
       wv[kTileVecs + v] = S::load(wb + s * E + v * (E / kTileVecs));
     }
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = S::bcast(x + r * ldx, s);
+      const vf xb = S::bcast(x + r * ldx, s);
       for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = S::madd(acc[r][v], xb, wv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kTileVecs; ++v) {
-      S::store(ya + r * ldy + 16 * v, acc[r][v]);
-      S::store(yb + r * ldy + 16 * v, acc[r][kTileVecs + v]);
+      S::store(ya + r * ldy + kLanes * v, acc[r][v]);
+      S::store(yb + r * ldy + kLanes * v, acc[r][kTileVecs + v]);
     }
 }
 
@@ -1455,9 +1518,9 @@ template <typename T>
 static void few_rows(int64_t m, const T* x, int64_t ldx, const T* wa, const T* wb, T* ya, T* yb, int64_t ldy,
                      int64_t steps) {
   switch (m) {
-#define ROWS(R)                                            \
-  case R:                                                  \
-    two_tiles<T, R>(x, ldx, wa, wb, ya, yb, ldy, steps);   \
+#define ROWS(R)                                                             \
+  case R:                                                                   \
+    if constexpr (R <= kFewRows) two_tiles<T, R>(x, ldx, wa, wb, ya, yb, ldy, steps); \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
@@ -1468,23 +1531,23 @@ template <typename T>
 static void row_block(int64_t m, const T* x, int64_t ldx, const T* w, T* y, int64_t ldy, int64_t steps, const T* pf,
                       int64_t pf_lines) {
   switch (m) {
-#define ROWS(R)                                               \
-  case R:                                                     \
-    tile_rows<T, R>(x, ldx, w, y, ldy, steps, pf, pf_lines);  \
+#define ROWS(R)                                                                       \
+  case R:                                                                             \
+    if constexpr (R <= kRowBlock) tile_rows<T, R>(x, ldx, w, y, ldy, steps, pf, pf_lines); \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
   }
 }
 
-// x [M, K] times the tiles -> y [M, N]. Up to 4 rows: tiles in pairs (t, t + half), two
-// streams, an odd count's last tile alone. More: row blocks of 8 go through the multiply-adds
+// x [M, K] times the tiles -> y [M, N]. Up to kFewRows rows: tiles in pairs (t, t + half), two
+// streams, an odd count's last tile alone. More: row blocks of kRowBlock go through the multiply-adds
 // against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
 // per block, so reading W overlaps the arithmetic on the one before.
 template <typename T>
 static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M, int64_t K, int64_t NT) {
   const int64_t N = NT * kTile, steps = K / TileStep<T>::kStep, tile_elems = K * kTile;
-  if (M <= 4) {
+  if (M <= kFewRows) {
     const int64_t half = NT / 2;
     at::parallel_for(0, half + NT % 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
@@ -1521,7 +1584,7 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
     }
   });
 }
-#endif
+#endif  // PAGEBUS_SIMD
 
 #ifdef PAGEBUS_AMX
 // ---------------------------------------------------------------- bfloat16 tiles on AMX
@@ -1628,6 +1691,15 @@ bool bf16_amx_in_use() {
 #endif
 }
 
+// Whether float32 weights go in column tiles here (an AVX-512 or AVX2 + FMA build).
+bool tiles_built() {
+#ifdef PAGEBUS_SIMD
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool bf16_tiles_built() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return true;
@@ -1648,7 +1720,7 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
               "] (bfloat16: [N / ", kTile, ", K / 2, ", kTile, ", 2]) expected");
   const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
   auto y = torch::empty({M, NT * kTile}, x.options());
-#ifdef __AVX512F__
+#ifdef PAGEBUS_SIMD
 #ifdef __AVX512BF16__
 #ifdef PAGEBUS_AMX
   if (b16 && M >= kAmxMinRows && K % kAmxK == 0 && amx_usable()) {
@@ -1672,7 +1744,7 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
 #endif
   tiles_kernel<float>(x.data_ptr<float>(), x.stride(0), tiles.data_ptr<float>(), y.data_ptr<float>(), M, K, NT);
 #else
-  // Without AVX-512 (the Python side does not pack there; kept so the module always builds).
+  // Without AVX2 (the Python side does not pack there; kept so the module always builds).
   y.copy_(at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, NT * kTile}));
 #endif
   return y;
@@ -1772,6 +1844,7 @@ class DecodeStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE") = kTile;
   m.def("pack_tiles", &pack_tiles, "[N, K] -> [N / TILE, K, TILE] (bfloat16: [N / TILE, K / 2, TILE, 2])");
+  m.def("tiles_built", &tiles_built, "whether this build multiplies float32 tiles (AVX-512 or AVX2 + FMA)");
   m.def("bf16_tiles_built", &bf16_tiles_built, "whether this build multiplies bfloat16 tiles (AVX-512 BF16)");
   m.def("bf16_amx_in_use", &bf16_amx_in_use, "whether bfloat16 tiles multiply on AMX (from 2 rows, K % 32 == 0)");
   m.def("linear_tiles", &linear_tiles, "x [M, K] times column tiles -> [M, N]");

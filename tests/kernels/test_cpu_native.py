@@ -230,17 +230,18 @@ def test_backend_falls_back_to_torch_when_not_built(monkeypatch, caplog) -> None
     assert select_ops("auto", torch.device("cpu")).name == "cpu"
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 9, 33, 160, 161, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 160, 161, 300])
 @pytest.mark.parametrize(("n", "k"), [(96, 576), (48, 70), (144, 1536)])
 def test_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
-    """Every path: 1-4 rows (tiles in pairs; an odd tile count's last one alone), 5-160 (row
-    blocks of 8 with the next tile prefetched) and the batched GEMM above; K not a multiple of
-    the vector width; a bias; rows of x that are a strided view."""
+    """Every path: a few rows (tiles in pairs, an odd tile count's last one alone: up to 4 rows
+    on AVX-512, 2 on AVX2), row blocks (8 rows on AVX-512, 6 on AVX2) with the next tile
+    prefetched and the batched GEMM above 160 on Intel CPUs; K not a multiple of the vector
+    width; a bias; rows of x that are a strided view."""
     g = torch.Generator().manual_seed(rows * n + k)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     x = torch.randn(rows, 2 * k, generator=g)[:, :k]
-    tiles = native.pack_linear(w)
-    assert tiles is not None and tiles.shape == (n // 48, k, 48)
+    tiles, tile = native.pack_linear(w), native.native_ops().TILE
+    assert tiles is not None and tiles.shape == (n // tile, k, tile)
     want = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(native.linear_tiles(x, tiles, b), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(native.linear_tiles(x.unsqueeze(0), tiles)[0], want - b, atol=1e-4, rtol=1e-4)

@@ -38,7 +38,7 @@ def _weight_storage(out_features: int, in_features: int) -> torch.Tensor:
 
 class UnquantizedLinearMethod(LinearMethod):
     """The checkpoint's values in the default dtype, in `_weight_storage`'s layout; F.linear.
-    After loading, float32 weights on AVX-512 CPUs, and bfloat16 ones on AVX-512 BF16 CPUs, are
+    After loading, float32 weights on AVX-512 and AVX2 CPUs, and bfloat16 ones on AVX-512 BF16 CPUs, are
     re-laid as column tiles (kernels/cpu_native.py `pack_linear`), multiplied by the tile kernel
     (or, float32 above 160 rows, MKL's batched GEMM): float32 1.3-1.7x F.linear at 5-160 rows,
     bfloat16 3-20x at 1-32, no slower elsewhere (on AMX CPUs bfloat16 tiles run on AMX from 2 rows). The Parameter keeps its identity (a
