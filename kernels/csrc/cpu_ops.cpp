@@ -16,6 +16,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -52,6 +56,75 @@ inline float fast_exp(float x) {
 }
 
 using bf16 = c10::BFloat16;
+
+// The float32 vector the tile matmul, decode attention and the elementwise ops are written in: a zmm (16 lanes) on
+// AVX-512 builds, a ymm (8 lanes) on AVX2 + FMA ones (PAGEBUS_SIMD: either). AVX2 has 16 vector
+// registers where AVX-512 has 32, so the kernels' blockings depend on which (kTileVecs, HC).
+#if defined(__AVX512F__)
+#define PAGEBUS_SIMD 1
+using vf = __m512;
+constexpr int64_t kLanes = 16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEBUS_SIMD 1
+using vf = __m256;
+constexpr int64_t kLanes = 8;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+#else
+constexpr int64_t kLanes = 16;  // no kernel of this file vectorises by hand; only the tile size
+#endif
+
+#ifdef PAGEBUS_SIMD
+// e^x lane by lane: fast_exp's range reduction and polynomial. (fast_exp's own loops stay scalar:
+// GCC does not vectorise its nearbyint and bit cast, so softmax and SiLU call this.)
+inline vf vexp(vf x) {
+#ifdef __AVX512F__
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const vf two_n = _mm512_castsi512_ps(bits);
+#else
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.7228f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const vf two_n = _mm256_castsi256_ps(bits);
+#endif
+  const vf r = vfmadd(n, vset1(2.12194440e-4f), vfmadd(n, vset1(-0.693359375f), x));
+  vf p = vset1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = vfmadd(p, r, vset1(c));
+  return vmul(vadd(vfmadd(vmul(p, r), r, r), vset1(1.0f)), two_n);
+}
+
+inline float hsum(vf v) {
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, v);
+  float s = 0.f;
+  for (float x : lanes) s += x;
+  return s;
+}
+#endif  // PAGEBUS_SIMD
+
 
 inline float f32(float x) { return x; }
 inline float f32(bf16 x) { return static_cast<float>(x); }
@@ -137,6 +210,21 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {out.view(x.sizes()), sum.view(x.sizes())};
 }
 
+// silu_and_mul's row in whole vectors (float32 on PAGEBUS_SIMD builds: the scalar loop does not
+// vectorise, fast_exp); returns how many elements it did.
+template <typename T>
+inline int64_t silu_and_mul_vectors(const T*, const T*, T*, int64_t) { return 0; }
+#ifdef PAGEBUS_SIMD
+inline int64_t silu_and_mul_vectors(const float* g, const float* u, float* o, int64_t d) {
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const vf gv = vload(g + i);
+    vstore(o + i, vmul(vdiv(gv, vadd(vset1(1.0f), vexp(vsub(vzero(), gv)))), vload(u + i)));
+  }
+  return i;
+}
+#endif
+
 // x [T, 2d] -> silu(x[:, :d]) * x[:, d:], silu's result rounded to T before the product.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   const auto st = check_dtype({&x}, "silu_and_mul");
@@ -153,7 +241,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
         const T* __restrict__ g = xp + r * xs;
         const T* __restrict__ u = g + d;
         T* __restrict__ o = op + r * d;
-        for (int64_t i = 0; i < d; ++i) {
+        for (int64_t i = silu_and_mul_vectors(g, u, o, d); i < d; ++i) {
           const float gi = f32(g[i]);
           o[i] = from_f32<T>(f32(from_f32<T>(gi / (1.0f + fast_exp(-gi)))) * f32(u[i]));
         }
@@ -299,39 +387,6 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-
-// The float32 vector the tile matmul and decode attention are written in: a zmm (16 lanes) on
-// AVX-512 builds, a ymm (8 lanes) on AVX2 + FMA ones (PAGEBUS_SIMD: either). AVX2 has 16 vector
-// registers where AVX-512 has 32, so the kernels' blockings depend on which (kTileVecs, HC).
-#if defined(__AVX512F__)
-#define PAGEBUS_SIMD 1
-using vf = __m512;
-constexpr int64_t kLanes = 16;
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset1(float x) { return _mm512_set1_ps(x); }
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PAGEBUS_SIMD 1
-using vf = __m256;
-constexpr int64_t kLanes = 8;
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset1(float x) { return _mm256_set1_ps(x); }
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-#else
-constexpr int64_t kLanes = 16;  // no kernel of this file vectorises by hand; only the tile size
-#endif
-
 // scores[hh] = q[hh] . k for the `group` query heads sharing one K row (heads adjacent in q).
 inline void group_dots(const float* __restrict__ q, const float* __restrict__ k, int64_t group, int64_t d,
                        float sc, float* __restrict__ scores, int64_t stride) {
@@ -362,11 +417,21 @@ inline void softmax_rows(float* sp, int64_t h, int64_t L) {
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
-#pragma omp simd
-    for (int64_t j = 0; j < L; ++j) s[j] = fast_exp(s[j] - m);
     float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < L; ++j) total += s[j];
+    int64_t j = 0;
+#ifdef PAGEBUS_SIMD  // vexp: fast_exp's loop stays scalar
+    vf tv = vzero();
+    for (; j + kLanes <= L; j += kLanes) {
+      const vf e = vexp(vsub(vload(s + j), vset1(m)));
+      vstore(s + j, e);
+      tv = vadd(tv, e);
+    }
+    total = hsum(tv);
+#endif
+    for (; j < L; ++j) {
+      s[j] = fast_exp(s[j] - m);
+      total += s[j];
+    }
     const float inv = 1.0f / total;
 #pragma omp simd
     for (int64_t j = 0; j < L; ++j) s[j] *= inv;
@@ -421,6 +486,7 @@ inline vf sum_lanes(const vf* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 inline void vstore_first(float* p, vf v, int64_t n) {
+  if (n == kLanes) return vstore(p, v);  // vmaskmovps stores are slow on AMD CPUs
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane), v);
 }
@@ -489,19 +555,8 @@ inline void heads_times_v(const float* __restrict__ p, int64_t L, const T* vc, c
 }
 
 #ifdef __AVX512F__
-// e^x of 16 floats: fast_exp's range reduction and polynomial, lane by lane.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
-}
+// e^x of 16 floats (AVX-512 code's name for vexp).
+inline __m512 exp16(__m512 x) { return vexp(x); }
 
 #ifdef __AVX512BF16__
 // One query head against a 16-token block of bf16 K rows (n <= 16 of them valid), scaled:
@@ -1858,7 +1913,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
+  // module_local: two builds (an A/B of kernels) can be loaded in one process
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
