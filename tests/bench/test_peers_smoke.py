@@ -43,7 +43,9 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     assert doc["config"]["dtype"] == ("bfloat16" if native else "float32")
     assert doc["engines"]["pagebus"]["dtype"] == doc["config"]["dtype"]
     ceil = doc["ceilings"]
-    for dtype in ("float32", "bfloat16"):
+    # bf16's ceiling only where bf16 is native (emulated, one large product takes minutes)
+    assert set(ceil["matmul_gflops"]) == ({"float32", "bfloat16"} if native else {"float32"})
+    for dtype in ceil["matmul_gflops"]:
         gflops = ceil["matmul_gflops"][dtype]
         assert gflops["square_128"] > 0 and gflops["layer_m1"] > 0 and gflops["lm_head_m1"] > 0
     assert ceil["dram_gb_per_s"] > 0
