@@ -14,8 +14,9 @@ the reference these are tested against (tests/kernels).
 
 The extension is compiled once per machine with -O3 -march=native -fopenmp (torch's
 cpp_extension and ninja); `make setup` builds it (`python -m pagebus.kernels.cpu_native`), and the module name
-carries a digest of the CPU's flags and the source, so a cache directory shared across machine
-kinds or checkouts never serves a build for other instructions or another source. If it cannot be built, `select_ops` falls back to the
+carries a digest of the CPU's flags, the source and its path, so a cache directory shared across
+machine kinds or checkouts never serves a build for other instructions or another source, and
+two checkouts never rebuild over each other. If it cannot be built, `select_ops` falls back to the
 torch backend with a warning that says why.
 """
 
@@ -26,6 +27,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,9 +68,33 @@ def _cpu_flags() -> str:
 
 
 def _build_digest() -> str:
-    """The CPU's flags and the source: two checkouts (or machine kinds) sharing one extension
-    cache never load, or keep rebuilding over, each other's build."""
-    return hashlib.sha256(_cpu_flags().encode() + _SOURCE.read_bytes()).hexdigest()[:12]
+    """The CPU's flags, the source and where it lies: machine kinds sharing one extension cache
+    never load each other's build, and two checkouts never rebuild over each other (ninja's
+    build file names the source's path, so one directory per checkout)."""
+    key = _cpu_flags().encode() + _SOURCE.read_bytes() + str(_SOURCE.resolve()).encode()
+    return hashlib.sha256(key).hexdigest()[:12]
+
+
+# A build takes 1-2 min on 2 cores; a lock older than this was left by a killed build, and
+# torch's loader would wait on it forever.
+_STALE_LOCK_S = 15 * 60
+
+
+def _build_directory(name: str) -> str:
+    """torch's extension cache directory for `name`, cleared of a stale lock."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    d = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    d.mkdir(parents=True, exist_ok=True)
+    lock = d / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return str(d)
+    if age > _STALE_LOCK_S:
+        log.warning("removing %s, left %.0f min ago by a build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    return str(d)
 
 
 @functools.cache
@@ -77,9 +103,11 @@ def native_ops() -> Any:
     machine cannot build it (no compiler, no ninja)."""
     from torch.utils.cpp_extension import load
 
+    name = f"pagebus_cpu_ops_{_build_digest()}"
     return load(
-        name=f"pagebus_cpu_ops_{_build_digest()}",
+        name=name,
         sources=[str(_SOURCE)],
+        build_directory=_build_directory(name),
         # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without
         # the flag it compiles to a serial one.
         extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],

@@ -230,6 +230,26 @@ def test_backend_falls_back_to_torch_when_not_built(monkeypatch, caplog) -> None
     assert select_ops("auto", torch.device("cpu")).name == "cpu"
 
 
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(monkeypatch, tmp_path, caplog) -> None:
+    """torch's loader waits forever on a lock file: one a killed build left must not hang the
+    next start, and one a running build holds must stay."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert native._build_directory("ext") == str(lock.parent)
+    assert lock.exists()
+    old = time.time() - native._STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING):
+        native._build_directory("ext")
+    assert not lock.exists()
+    assert "did not finish" in caplog.text
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 160, 161, 300])
 @pytest.mark.parametrize(("n", "k"), [(96, 576), (48, 70), (144, 1536)])
 def test_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
