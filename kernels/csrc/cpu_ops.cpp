@@ -116,6 +116,11 @@ inline vf vexp(vf x) {
   return vmul(vadd(vfmadd(vmul(p, r), r, r), vset1(1.0f)), two_n);
 }
 
+// v materialised in a register here. Where RB rows each multiply one loaded vector, GCC folds
+// the load into every row's FMA as a memory operand: RB loads of it, and a loop of 8 FMAs with
+// 12 loads is bound by the 2 vector loads a cycle of AVX2 cores (Zen 3) rather than by the FMAs.
+inline void in_register(vf& v) { asm("" : "+x"(v)); }
+
 inline float hsum(vf v) {
   alignas(64) float lanes[kLanes];
   vstore(lanes, v);
@@ -979,6 +984,7 @@ inline void amx_configure() {
 
 #endif
 
+#ifdef PAGEBUS_SIMD
 #ifdef __AVX512F__
 // 16 rows of 16 floats -> 16 columns: r[i] lane j becomes r[j] lane i.
 inline void transpose16(__m512* r) {
@@ -1006,6 +1012,51 @@ inline void transpose16(__m512* r) {
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
   }
 }
+inline void transpose_lanes(vf* r) { transpose16(r); }
+inline float max_lanes(vf v) { return _mm512_reduce_max_ps(v); }
+inline float add_lanes(vf v) { return _mm512_reduce_add_ps(v); }
+// v's first n lanes (n clamped to 0..16), `other`'s in the rest.
+inline vf vfirst(vf v, int64_t n, vf other) {
+  const int64_t k = std::min<int64_t>(std::max<int64_t>(n, 0), 16);
+  return _mm512_mask_blend_ps(static_cast<__mmask16>((1u << k) - 1), other, v);
+}
+#else
+// 8 rows of 8 floats -> 8 columns (AVX2's transpose16).
+inline void transpose_lanes(vf* r) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+inline float max_lanes(vf v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline float add_lanes(vf v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline vf vfirst(vf v, int64_t n, vf other) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 0), 8))), lane);
+  return _mm256_blendv_ps(other, v, _mm256_castsi256_ps(keep));
+}
+#endif  // __AVX512F__
+
 // Whether prefill scores multiply bf16 pairs (vdpbf16ps) rather than float32 values.
 template <typename T>
 constexpr bool kPairScores = false;
@@ -1014,79 +1065,119 @@ template <>
 constexpr bool kPairScores<bf16> = true;
 #endif
 
-// RB query rows (float32, pre-scaled; `valid[r]` of the 16 keys visible to row r, <= 0: none)
-// against one 16-key block: kt [d][16] (K transposed), vb [16][d] (V), both float32. Updates
-// each row's running max m, sum l and unnormalised output o (flash attention's online softmax).
-// RB rows at once share every K and V load and keep 2 * RB (scores) and RB * NV (outputs)
-// independent FMA chains in flight.
-// float32 caches: q float32, pre-scaled, kt [d][16]. bf16 caches (T = bf16): q the raw bf16
-// rows and kt [d / 2][16] pairs of K, multiplied by vdpbf16ps (products of bf16 values are
+// Keys a flash step takes (two cache blocks): the softmax's per-step work (a max, a sum, one
+// rescale of the outputs) is paid once per 32 keys, while K and V of the step (8 KiB each at
+// d = 64) stay in L1 beside the rows' q and sums. AVX2 (Zen 3), 1,024-token prompt, one
+// thread: 16 keys a step 36 GFLOP/s, 32 keys 48-55, 64 keys 40-41 (L1 misses).
+constexpr int64_t kFlashKeys = 32;
+
+// RB query rows (float32, pre-scaled; `valid[r]` of the keys visible to row r, <= 0: none)
+// against one step's keys, `groups` 16-key groups of them: kt [d][kFlashKeys] (K transposed),
+// vb [kFlashKeys][d] (V), both float32. Updates each row's running max m, sum l and
+// unnormalised output o (flash attention's online softmax). RB rows at once share every K and
+// V load and keep independent FMA chains in flight: a 16-key group's scores are KV vectors (1 on
+// AVX-512, 2 on AVX2), each summed in CH chains over the dims, so RB * KV * CH chains (8 in
+// every blocking used); the V sums go DC vectors of the d dims at a time (all of them on
+// AVX-512, 8 / RB on AVX2: its 16 registers).
+// float32 caches: q float32, pre-scaled, kt [d][keys]. bf16 caches (T = bf16): q the raw bf16
+// rows and kt [d / 2][keys] pairs of K, multiplied by vdpbf16ps (products of bf16 values are
 // exact in float32, as the float path's are), the scale applied to the sums: half the
 // instructions of the float path for the scores.
 template <int NV, int RB, typename T>
-inline void flash_rows(const void* qv, const float* kt, const float* vb, const int64_t* valid, float* m, float* l,
-                       float* o, float sc) {
-  constexpr int64_t d = 16 * NV;
-  __m512 acc[RB][2];
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+inline void flash_rows(const void* qv, const float* kt, const float* vb, int64_t groups, const int64_t* valid,
+                       float* m, float* l, float* o, float sc) {
+  constexpr int64_t d = 16 * NV, KB = kFlashKeys;
+  constexpr int KV = 16 / kLanes, CH = KV == 1 ? 2 : 1, DV = static_cast<int>(d / kLanes);
+  constexpr int DC = kLanes == 16 ? DV : std::min(DV, std::max(1, 8 / RB));
+  // The scores leave their registers once per group: with the softmax below reading them by a
+  // runtime row index, GCC kept the sums in memory and stored all of them on every step of the
+  // loop over d (AVX2: 24 -> 38 GFLOP/s for a 1,024-token prompt on one thread).
+  alignas(64) float scores[RB][KB];
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* kg = kt + 16 * g;
+    vf acc[RB][KV * CH];
+    for (int r = 0; r < RB; ++r)
+      for (int a = 0; a < KV * CH; ++a) acc[r][a] = vzero();
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, bf16>) {
-    const int32_t* q = static_cast<const int32_t*>(qv);  // pairs of bf16
-    for (int64_t c = 0; c < d / 2; c += 2) {
-      const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
-      for (int r = 0; r < RB; ++r) {
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(q[r * d / 2 + c]), (__m512bh)k0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(q[r * d / 2 + c + 1]), (__m512bh)k1);
+    if constexpr (std::is_same_v<T, bf16>) {
+      const int32_t* q = static_cast<const int32_t*>(qv);  // pairs of bf16
+      for (int64_t c = 0; c < d / 2; c += 2) {
+        const __m512 k0 = _mm512_loadu_ps(kg + c * KB), k1 = _mm512_loadu_ps(kg + (c + 1) * KB);
+        for (int r = 0; r < RB; ++r) {
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(q[r * d / 2 + c]), (__m512bh)k0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(q[r * d / 2 + c + 1]), (__m512bh)k1);
+        }
       }
-    }
-    for (int r = 0; r < RB; ++r) acc[r][0] = _mm512_mul_ps(acc[r][0], _mm512_set1_ps(sc));
-    for (int r = 0; r < RB; ++r) acc[r][1] = _mm512_mul_ps(acc[r][1], _mm512_set1_ps(sc));
-  } else
+      for (int r = 0; r < RB; ++r) acc[r][0] = _mm512_mul_ps(acc[r][0], _mm512_set1_ps(sc));
+      for (int r = 0; r < RB; ++r) acc[r][1] = _mm512_mul_ps(acc[r][1], _mm512_set1_ps(sc));
+    } else
 #endif
-  {
-    const float* q = static_cast<const float*>(qv);
-    for (int64_t c = 0; c < d; c += 2) {
-      const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
-      for (int r = 0; r < RB; ++r) {
-        acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c]), k0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c + 1]), k1, acc[r][1]);
-      }
+    {
+      const float* q = static_cast<const float*>(qv);
+      for (int64_t c = 0; c < d; c += CH)
+        for (int u = 0; u < CH; ++u)
+          for (int kv = 0; kv < KV; ++kv) {
+            vf kk = vload(kg + (c + u) * KB + kv * kLanes);
+            in_register(kk);
+            for (int r = 0; r < RB; ++r) acc[r][u * KV + kv] = vfmadd(vset1(q[r * d + c + u]), kk, acc[r][u * KV + kv]);
+          }
     }
+    for (int r = 0; r < RB; ++r)
+      for (int kv = 0; kv < KV; ++kv) {
+        vf s = acc[r][kv];
+        for (int u = 1; u < CH; ++u) s = vadd(s, acc[r][u * KV + kv]);
+        vstore(scores[r] + 16 * g + kv * kLanes, s);
+      }
   }
-  alignas(64) float pj[RB][16];
+  const int64_t vecs = groups * KV;  // score vectors of this step
+  alignas(64) float pj[RB][KB];
   float alpha[RB];
   int64_t kmax = 0;
+  const vf minus_inf = vset1(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < RB; ++r) {
-    if (valid[r] <= 0) {  // every key of this block is after row r's position
-      _mm512_store_ps(pj[r], _mm512_setzero_ps());
+    if (valid[r] <= 0) {  // every key of this step is after row r's position
+      for (int64_t i = 0; i < vecs; ++i) vstore(pj[r] + i * kLanes, vzero());
       alpha[r] = 1.f;
       continue;
     }
-    const int64_t n = std::min<int64_t>(16, valid[r]);
+    const int64_t n = std::min<int64_t>(16 * groups, valid[r]);
     kmax = std::max(kmax, n);
-    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 sv = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                           _mm512_add_ps(acc[r][0], acc[r][1]));
-    const float mnew = std::max(m[r], _mm512_reduce_max_ps(sv));
-    alpha[r] = fast_exp(m[r] - mnew);
-    const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
-    m[r] = mnew;
-    _mm512_store_ps(pj[r], p);
-  }
-  __m512 out[RB][NV];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NV; ++c) out[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + 16 * c), _mm512_set1_ps(alpha[r]));
-  for (int64_t k = 0; k < kmax; ++k) {
-    __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vb + k * d + 16 * c);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 pk = _mm512_set1_ps(pj[r][k]);
-      for (int c = 0; c < NV; ++c) out[r][c] = _mm512_fmadd_ps(pk, vv[c], out[r][c]);
+    vf top = minus_inf;
+    for (int64_t i = 0; i < vecs; ++i) {
+      const vf s = vfirst(vload(scores[r] + i * kLanes), n - i * kLanes, minus_inf);
+      vstore(scores[r] + i * kLanes, s);
+      top = vmax(top, s);
     }
+    const float mnew = std::max(m[r], max_lanes(top));
+    alpha[r] = fast_exp(m[r] - mnew);
+    const vf mv = vset1(mnew);
+    vf total = vzero();
+    for (int64_t i = 0; i < vecs; ++i) {
+      const vf p = vfirst(vexp(vsub(vload(scores[r] + i * kLanes), mv)), n - i * kLanes, vzero());
+      total = vadd(total, p);
+      vstore(pj[r] + i * kLanes, p);
+    }
+    l[r] = l[r] * alpha[r] + add_lanes(total);
+    m[r] = mnew;
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, out[r][c]);
+  for (int c0 = 0; c0 < DV; c0 += DC) {
+    vf out[RB][DC];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < DC; ++c) out[r][c] = vmul(vload(o + r * d + kLanes * (c0 + c)), vset1(alpha[r]));
+    for (int64_t k = 0; k < kmax; ++k) {
+      vf vv[DC];
+      for (int c = 0; c < DC; ++c) {
+        vv[c] = vload(vb + k * d + kLanes * (c0 + c));
+        in_register(vv[c]);
+      }
+      for (int r = 0; r < RB; ++r) {
+        const vf pk = vset1(pj[r][k]);
+        for (int c = 0; c < DC; ++c) out[r][c] = vfmadd(pk, vv[c], out[r][c]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < DC; ++c) vstore(o + r * d + kLanes * (c0 + c), out[r][c]);
+  }
 }
 
 // A prefill work item's outputs: row r of query head j (o [group][16][d], float32 sums) times 1 /
@@ -1096,9 +1187,9 @@ inline void store_normalized(const float* o, const float* l, int64_t group, int6
   constexpr int64_t d = 16 * NV, QB = 16;
   for (int64_t j = 0; j < group; ++j)
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[j * QB + r]);
+      const vf inv = vset1(1.0f / l[j * QB + r]);
       const float* orow = o + (j * QB + r) * d;
-      for (int c = 0; c < NV; ++c) store16(out + r * os + j * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), inv));
+      for (int64_t c = 0; c < d; c += kLanes) vstore(out + r * os + j * d + c, vmul(vload(orow + c), inv));
     }
 }
 
@@ -1228,9 +1319,10 @@ void prefill_item_amx(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const b
 
 // Prefill chunks (sequences with several query tokens), reading the paged caches in place:
 // causal attention with an online softmax (flash attention's), one work item per (sequence,
-// KV head, 16 query positions) for all the query heads sharing that KV head. Each 16-token
-// block of K is transposed and V widened once per item into float32 buffers; query rows then
-// score the 16 keys in one vector each (no horizontal sums) and add 16 V rows (flash_rows).
+// KV head, 16 query positions) for all the query heads sharing that KV head. Each step's
+// kFlashKeys keys (whole 16-token blocks) of K are transposed and V widened once per item into
+// float32 buffers; query rows then score 16 keys per vector or pair of vectors (no horizontal
+// sums) and add the V rows (flash_rows). AVX-512 and AVX2 (float32 only) builds.
 // Rows at position p see keys 0..p (the chunk's own and the cached context before it).
 // torch's SDPA, which this replaces for bf16/fp32 caches of 16-token blocks, ran these shapes
 // at 80-145 GFLOP/s on two threads, after a gather and an upcast of each sequence's K/V.
@@ -1238,7 +1330,7 @@ template <int NV, typename T>
 void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
                   int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
                   int64_t h, int64_t kvh, float sc) {
-  constexpr int64_t d = 16 * NV, bs = 16, QB = 16;
+  constexpr int64_t d = 16 * NV, bs = 16, QB = 16, KB = kFlashKeys;
   const int64_t group = h / kvh;
   std::vector<int64_t> first(static_cast<size_t>(B + 1), 0);  // first work item of each sequence
   for (int64_t b = 0; b < B; ++b) {
@@ -1257,7 +1349,7 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
   const auto items = [&](int64_t w0, int64_t w1) {
     // 64-byte aligned scratch: every vector load and store of it stays within one cache line
     // (16 x 128-token prompts, one layer: 2.41 -> 2.14 ms with them aligned)
-    alignas(64) float kt[d * bs], vb[bs * d];
+    alignas(64) float kt[d * KB], vb[KB * d];
     std::vector<float> qo(static_cast<size_t>(2 * group * QB * d + 16)), m(static_cast<size_t>(group * QB)),
         l(static_cast<size_t>(group * QB));
     float* qf = qo.data() + (16 - reinterpret_cast<uintptr_t>(qo.data()) / 4 % 16) % 16;
@@ -1297,24 +1389,38 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t last = ctx + i0 + rows - 1;  // the last position of these rows
-      for (int64_t j0 = 0; j0 <= last; j0 += bs) {
-        const int64_t n = std::min(bs, L - j0);
-        const T* kb = kc + table[j0 / bs] * s0 + g * s2;
-        const T* vbk = vc + table[j0 / bs] * s0 + g * s2;
-        for (int c = 0; c < NV; ++c) {  // K transposed 16 columns (bf16: pairs) at a time; V widened
-          __m512 rows16[16];
-          for (int64_t k = 0; k < bs; ++k) {
-            _mm512_storeu_ps(vb + k * d + 16 * c, k < n ? load16(vbk + k * s1 + 16 * c) : _mm512_setzero_ps());
-            if (pairs && c >= NV / 2) continue;
-            rows16[k] = k >= n ? _mm512_setzero_ps()
-                        : pairs ? _mm512_castsi512_ps(_mm512_loadu_si512(kb + k * s1 + 32 * c))
-                                : load16(kb + k * s1 + 16 * c);
-          }
-          if (pairs && c >= NV / 2) continue;
-          transpose16(rows16);
-          for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * bs, rows16[i]);
+      for (int64_t j0 = 0; j0 <= last; j0 += KB) {
+        const int64_t n = std::min({KB, L - j0, last + 1 - j0});  // keys one of these rows sees
+        const int64_t groups = (n + bs - 1) / bs;
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const int64_t nk = std::min(bs, n - gi * bs);
+          const T* kb = kc + table[j0 / bs + gi] * s0 + g * s2;
+          const T* vbk = vc + table[j0 / bs + gi] * s0 + g * s2;
+          for (int64_t k = 0; k < bs; ++k)  // V widened
+            for (int64_t c = 0; c < d; c += kLanes)
+              vstore(vb + (gi * bs + k) * d + c, k < nk ? vload(vbk + k * s1 + c) : vzero());
+          // K transposed kLanes keys x kLanes columns (bf16: pairs of columns) at a time
+          for (int64_t k0 = 0; k0 < bs; k0 += kLanes)
+            for (int64_t c = 0; c < (pairs ? d / 2 : d) / kLanes; ++c) {
+              vf kr16[kLanes];
+              for (int64_t k = 0; k < kLanes; ++k) {
+                const T* kr = kb + (k0 + k) * s1;
+                if (k0 + k >= nk) {
+                  kr16[k] = vzero();
+                } else if constexpr (pairs) {
+#ifdef __AVX512BF16__
+                  kr16[k] = _mm512_castsi512_ps(_mm512_loadu_si512(kr + 32 * c));
+#endif
+                } else {
+                  kr16[k] = vload(kr + kLanes * c);
+                }
+              }
+              transpose_lanes(kr16);
+              for (int64_t i = 0; i < kLanes; ++i) vstore(kt + (kLanes * c + i) * KB + gi * bs + k0, kr16[i]);
+            }
         }
-        constexpr int RB = NV <= 4 ? 4 : 2;
+        // rows a call: 8 score chains (flash_rows), and as many V sums as the registers hold
+        constexpr int RB = kLanes == 16 && NV > 4 ? 2 : 4;
         auto qrow = [&](int64_t i) -> const void* {
           if constexpr (pairs) return reinterpret_cast<const T*>(qf) + i * d;
           return qf + i * d;
@@ -1325,10 +1431,10 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
           const int64_t at = j * QB;
           int64_t r = 0;
           for (; r + RB <= rows; r += RB)
-            flash_rows<NV, RB, T>(qrow(at + r), kt, vb, valid + r, m.data() + at + r, l.data() + at + r,
+            flash_rows<NV, RB, T>(qrow(at + r), kt, vb, groups, valid + r, m.data() + at + r, l.data() + at + r,
                                   o + (at + r) * d, sc);
           for (; r < rows; ++r)
-            flash_rows<NV, 1, T>(qrow(at + r), kt, vb, valid + r, m.data() + at + r, l.data() + at + r,
+            flash_rows<NV, 1, T>(qrow(at + r), kt, vb, groups, valid + r, m.data() + at + r, l.data() + at + r,
                                  o + (at + r) * d, sc);
         }
       }
@@ -1348,7 +1454,7 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
     }
   });
 }
-#endif
+#endif  // PAGEBUS_SIMD
 
 // The prefill chunks' attention (sequences with several query tokens) into their rows of out;
 // other rows are left untouched. False (nothing done: the caller runs torch's) unless the
@@ -1360,7 +1466,7 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
               "(kernels/cpu_native.py)");
   const auto st = check_paged_args(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, "prefill_attention");
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
-#ifdef __AVX512F__
+#ifdef PAGEBUS_SIMD
   if (bs != 16 || (d != 64 && d != 128)) return false;
 #ifndef __AVX512BF16__
   if (st != torch::kFloat32) return false;

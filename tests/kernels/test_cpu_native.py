@@ -145,6 +145,25 @@ def test_long_prefill_attention(head_dim: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float32_prefill_runs_the_compiled_kernel(head_dim: int) -> None:
+    """Every vector build (AVX-512 and AVX2) takes float32 prefill chunks itself: the call must
+    not decline them to torch's SDPA, which the results alone would not show. Lengths cross the
+    32-key steps: a step of one block, chunks after context that start mid-step."""
+    if not native.native_ops().tiles_built():
+        pytest.skip("no AVX-512 or AVX2 + FMA: the compiled ops have no vector kernels here")
+    seqs = [(100, 37), (33, 0), (47, 17), (1, 40), (17, 15)]
+    batch = make_batch(seqs, 9, 3, head_dim)
+    out = torch.zeros_like(batch.q)
+    assert native.native_ops().prefill_attention(out, *batch.args(), head_dim**-0.5)
+    ref = paged_attention_ref(*batch.args(), head_dim**-0.5)
+    starts = batch.query_start_loc.tolist()
+    for i, (n, _) in enumerate(seqs):
+        a, b = starts[i], starts[i + 1]
+        if n > 1:  # decode rows are decode_attention's, left untouched here
+            torch.testing.assert_close(out[a:b], ref[a:b], **TOL)
+
+
 @pytest.mark.parametrize(
     ("dtype", "k_layout"),
     [
