@@ -36,8 +36,11 @@ run_part() {  # run_part NAME SECONDS CMD...: stdout -> NAME.json, stderr -> NAM
 
 # pytest's summary goes to the log; its JSON file stays empty.
 # Every kernel test (on a GPU they run on CUDA, not the interpreter) and the CUDA-only worker tests.
-run_part pytest 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels \
-    tests/workers/test_gpu_runner.py tests/workers/test_sampling_batched.py::test_cuda_equals_reference_on_a_seeded_grid
+# GPU_CHECK_TESTS: other test paths (the CPU smoke test picks one file: the suite runs the rest).
+DEFAULT_TESTS="tests/kernels tests/workers/test_gpu_runner.py"
+DEFAULT_TESTS+=" tests/workers/test_sampling_batched.py::test_cuda_equals_reference_on_a_seeded_grid"
+# shellcheck disable=SC2086
+run_part pytest 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" ${GPU_CHECK_TESTS:-$DEFAULT_TESTS}
 mv "$PARTS/pytest.json" "$PARTS/pytest.log.stdout" 2> /dev/null
 cat "$PARTS/pytest.log.stdout" >> "$PARTS/pytest.log" 2> /dev/null
 rm -f "$PARTS/pytest.log.stdout"
