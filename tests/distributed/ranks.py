@@ -7,12 +7,13 @@ broadcast to every rank's schedulers here, standing in for the one scheduler a s
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tests.ports import free_port
 
 TIMEOUT_S = 120.0
 
@@ -26,12 +27,6 @@ class RankResult:
     kv_heads: int  # KV heads in this rank's cache
     layers: list[int]  # decoder layers this rank holds
     error: str | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(

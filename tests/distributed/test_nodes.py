@@ -9,9 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,30 +19,12 @@ import pytest
 
 from bench.gpu_e2e import write_llama_config
 from tests.frontends.http.server_proc import ROOT, run_server, wait_all_exited
+from tests.ports import free_port
 
 SHAPE = dict(
     vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512,
 )  # fmt: skip
-
-
-def _free_port_run(n: int = 5) -> int:
-    """A port p with p .. p + n - 1 all free on the loopback (the rendezvous and the bus's ports)."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no run of free ports")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -60,7 +40,7 @@ def _worker_pid(parent: int, rank: int) -> int:
 
 def test_two_nodes_serve_a_stream_and_a_killed_remote_rank_ends_both(tmp_path, default_model: str) -> None:
     write_llama_config(str(tmp_path), SHAPE)
-    master = _free_port_run()
+    master = free_port(5)  # the rendezvous and the bus's ports
     common = [
         "--model", str(tmp_path), "--tokenizer", default_model, "--load-format", "dummy", "-tp", "2",
         "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master), "--num-kv-blocks", "64",

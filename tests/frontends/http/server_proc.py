@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ from typing import Any
 
 import msgspec
 import psutil
+
+from tests.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STARTUP_DEADLINE = 180.0
@@ -68,12 +69,6 @@ class Server:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}"] = s.value
         return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
