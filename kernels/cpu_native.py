@@ -294,14 +294,14 @@ def paged_attention(
     native_ops().decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if max_query_len == 1:
         return out
-    starts = starts if starts is not None else query_start_loc.tolist()
-    lens = lens if lens is not None else seq_lens.tolist()
-    if k_cache.dim() == 5:
-        _prefill_token_pairs(out, q, k_cache, v_cache, block_tables, lens, starts, scale)
-        return out
     if native_ops().prefill_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     ):
+        return out
+    starts = starts if starts is not None else query_start_loc.tolist()
+    lens = lens if lens is not None else seq_lens.tolist()
+    if k_cache.dim() == 5:  # AMX machines read a token-pairs K cache through a row copy
+        _prefill_token_pairs(out, q, k_cache, v_cache, block_tables, lens, starts, scale)
         return out
     for i in range(len(starts) - 1):
         a, b = starts[i], starts[i + 1]
@@ -320,8 +320,9 @@ def _prefill_token_pairs(
     starts: list[int],
     scale: float,
 ) -> None:
-    """The prefill chunks' attention over a token-pairs K cache: the chunks' blocks copied into
-    the row layout, then prefill_attention over those rows as one batch."""
+    """The prefill chunks' attention over a token-pairs K cache where the compiled kernel does
+    not read the pairs (AMX machines): the chunks' blocks copied into the row layout, then
+    prefill_attention over those rows as one batch."""
     rows = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1]
     if not rows:
         return

@@ -311,7 +311,8 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
 // A bf16 K cache may instead hold each block in token pairs, [blocks, kvh, d / 2, bs, 2]: for one
 // KV head, dims 2p and 2p + 1 of the block's 16 tokens are one 64-byte vector, so a decode's
 // scores come out with tokens in lanes (decode_rows_pairs) instead of needing a transposing sum
-// per head (kernels/cpu_native.py k_cache_shape picks it; prefill reads a gathered copy).
+// per head (kernels/cpu_native.py k_cache_shape picks it; prefill copies a head's run as its scores'
+// transposed K, prefill_rows).
 struct CacheDims {
   int64_t bs, kvh, d;
   bool pairs;
@@ -1375,10 +1376,14 @@ void prefill_item_amx(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const b
 // Rows at position p see keys 0..p (the chunk's own and the cached context before it).
 // torch's SDPA, which this replaces for bf16/fp32 caches of 16-token blocks, ran these shapes
 // at 80-145 GFLOP/s on two threads, after a gather and an upcast of each sequence's K/V.
-template <int NV, typename T>
+// KP: K is a token-pairs cache (ks0 its block stride; s0-s2 are V's strides), whose head runs
+// [d / 2][16] pairs are already the bf16 scores' transposed layout: copied, not transposed, and
+// read in place, where a row copy of the chunk's blocks was gathered for every layer before.
+template <int NV, typename T, bool KP = false>
 void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
                   int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
-                  int64_t h, int64_t kvh, float sc) {
+                  int64_t h, int64_t kvh, float sc, int64_t ks0) {
+  static_assert(!KP || kPairScores<T>, "a token-pairs K cache is read by the bf16 pair scores only");
   constexpr int64_t d = 16 * NV, bs = 16, QB = 16, KB = kFlashKeys;
   const int64_t group = h / kvh;
   std::vector<int64_t> first(static_cast<size_t>(B + 1), 0);  // first work item of each sequence
@@ -1404,7 +1409,7 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
     float* qf = qo.data() + (16 - reinterpret_cast<uintptr_t>(qo.data()) / 4 % 16) % 16;
     float* o = qf + group * QB * d;
 #ifdef PAGEBUS_AMX
-    const bool amx = std::is_same_v<T, bf16> && amx_usable();
+    const bool amx = !KP && std::is_same_v<T, bf16> && amx_usable();  // prefill_item_amx reads K rows
     if (amx) amx_configure();
 #endif
     int64_t b = 0;
@@ -1443,7 +1448,7 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
         const int64_t groups = (n + bs - 1) / bs;
         for (int64_t gi = 0; gi < groups; ++gi) {
           const int64_t nk = std::min(bs, n - gi * bs);
-          const T* kb = kc + table[j0 / bs + gi] * s0 + g * s2;
+          const T* kb = KP ? kc + table[j0 / bs + gi] * ks0 + g * d * bs : kc + table[j0 / bs + gi] * s0 + g * s2;
           const T* vbk = vc + table[j0 / bs + gi] * s0 + g * s2;
           if constexpr (pairs) {
 #ifdef __AVX512BF16__
@@ -1453,6 +1458,15 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
             for (int64_t k = 0; k < bs; ++k)  // V widened
               for (int64_t c = 0; c < d; c += kLanes)
                 vstore(vb + (gi * bs + k) * d + c, k < nk ? vload(vbk + k * s1 + c) : vzero());
+          }
+          if constexpr (KP) {
+#ifdef __AVX512BF16__
+            const __mmask16 keys = static_cast<__mmask16>(nk >= 16 ? 0xFFFF : (1u << nk) - 1);
+            for (int64_t c = 0; c < d / 2; ++c)
+              _mm512_store_si512(reinterpret_cast<int32_t*>(kt) + c * KB + gi * bs,
+                                 _mm512_maskz_loadu_epi32(keys, reinterpret_cast<const int32_t*>(kb) + c * bs));
+#endif
+            continue;
           }
           // K transposed kLanes keys x kLanes columns (bf16: pairs of columns) at a time
           for (int64_t k0 = 0; k0 < bs; k0 += kLanes)
@@ -1517,12 +1531,16 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
 bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                        double scale) {
-  TORCH_CHECK(k_cache.dim() == 4, "prefill_attention: a token-pairs K cache is read through a gathered copy "
-              "(kernels/cpu_native.py)");
   const auto st = check_paged_args(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, "prefill_attention");
-  const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
+  const CacheDims kd = cache_dims(k_cache);
+  const int64_t h = q.size(1), d = q.size(2), bs = kd.bs, kvh = kd.kvh;
 #ifdef PAGEBUS_SIMD
   if (bs != 16 || (d != 64 && d != 128)) return false;
+#ifdef PAGEBUS_AMX
+  // a token-pairs K cache on AMX goes through a gathered row copy (kernels/cpu_native.py): the
+  // AMX item reads K rows
+  if (kd.pairs && amx_usable()) return false;
+#endif
 #ifndef __AVX512BF16__
   if (st != torch::kFloat32) return false;
 #endif
@@ -1537,10 +1555,20 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
     if (n > 1) TORCH_CHECK(lp[b] >= n && lp[b] <= width * bs, "prefill_attention: bad length");
   }
   const float sc = static_cast<float>(scale);
+#ifdef __AVX512BF16__
+  if (kd.pairs) {
+    (d == 64 ? prefill_rows<4, bf16, true> : prefill_rows<8, bf16, true>)(
+        out.data_ptr<bf16>(), out.stride(0), q.data_ptr<bf16>(), q.stride(0), k_cache.data_ptr<bf16>(),
+        v_cache.data_ptr<bf16>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.data_ptr<int32_t>(),
+        width, lp, qp0, B, h, kvh, sc, k_cache.stride(0));
+    return true;
+  }
+#endif
+  if (kd.pairs) return false;
 #define ROWS(T)                                                                                                  \
   (d == 64 ? prefill_rows<4, T> : prefill_rows<8, T>)(                                                           \
       out.data_ptr<T>(), out.stride(0), q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), \
-      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.data_ptr<int32_t>(), width, lp, qp0, B, h, kvh, sc)
+      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.data_ptr<int32_t>(), width, lp, qp0, B, h, kvh, sc, 0)
   if (st == torch::kFloat32) {
     ROWS(float);
     return true;

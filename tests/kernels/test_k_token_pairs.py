@@ -2,7 +2,8 @@
 [blocks, kv_heads, head_dim / 2, 16, 2] beside row-layout V, on AVX-512 BF16 builds.
 
 Every op that reads or writes it must give what the row layout gives: writes land on the same
-values, prefill (read through a gathered copy) is the row kernels' result exactly, decode (its
+values, prefill (the pairs copied as its bf16 scores' own layout, or on AMX machines a gathered
+row copy) is the row kernels' result exactly, decode (its
 own score kernel, sums in another order) matches the reference within bf16's rounding. The fused
 decode op on this layout is tested beside its row-layout case (test_cpu_native.py).
 """
@@ -78,7 +79,7 @@ def test_attention(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     starts = batch.query_start_loc.tolist()
     for a, b in itertools.pairwise(starts):
         prefill[a:b] = b - a > 1
-    assert torch.equal(got[prefill], rows[prefill])  # the row kernels, on gathered rows
+    assert torch.equal(got[prefill], rows[prefill])  # the row kernels' arithmetic exactly
     decode = ~prefill
     # Decode scores are summed in another order: within a bf16 ulp of the row kernel's.
     torch.testing.assert_close(got[decode], rows[decode], atol=8e-3, rtol=8e-3)
@@ -91,3 +92,19 @@ def test_the_torch_fallback_reads_a_gathered_copy() -> None:
     tables = batch.block_tables.long()
     got = native.paged_attention(batch.q, k_pairs, v, tables, *batch.args()[4:], 0.125, max_query_len=129)
     torch.testing.assert_close(got, paged_attention_ref(*batch.args(), 0.125), **BF16)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_compiled_prefill_reads_the_pairs_in_place(head_dim: int) -> None:
+    """Without AMX the compiled prefill takes the token-pairs cache itself, giving the row
+    kernels' result exactly (results alone would not show a fall back to the gathered copy);
+    on AMX machines it declines, and the gathered copy serves (test_attention)."""
+    batch = make_batch(PREFILLS, 9, 3, head_dim, dtype=torch.bfloat16)
+    k_pairs, v = to_token_pairs(batch.k_cache.contiguous()), batch.v_cache.contiguous()
+    ops, scale = native.native_ops(), head_dim**-0.5
+    got, rows = torch.zeros_like(batch.q), torch.zeros_like(batch.q)
+    took = ops.prefill_attention(got, batch.q, k_pairs, v, *batch.args()[3:], scale)
+    assert took is not ops.bf16_amx_in_use()
+    if took:
+        assert ops.prefill_attention(rows, *batch.args(), scale)
+        assert torch.equal(got, rows)
