@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import time
 from typing import Any
 
 from bench.common import emit, log, setup_logging
+from bench.ports import free_port
 
 HIDDEN = 576  # SmolLM2-135M
 
@@ -63,9 +63,7 @@ def _allreduce_rank(rank: int, port: int, rows: list[int], iters: int, q: Any) -
 
 
 def allreduce_cost(rows: list[int], iters: int) -> dict[str, Any]:
-    with socket.socket() as s:  # a free loopback port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the rendezvous
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_allreduce_rank, args=(r, port, rows, iters, q)) for r in range(2)]

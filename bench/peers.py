@@ -52,6 +52,7 @@ from bench import serve_peers
 from bench.common import emit, log, setup_logging
 from bench.peer_runners import ceilings
 from bench.peer_runners._harness import Generate, measure, offline_plan, variant
+from bench.ports import free_port
 from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype
 from bench.throughput import make_prompts, run_batch
 
@@ -281,7 +282,7 @@ def measure_startup(opts: argparse.Namespace, runs: int) -> dict[str, Any]:
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="startup.") as d:
         for i in range(runs):
-            port = serve_peers.free_port()
+            port = free_port()
             cmd = serve_peers.pagebus_cmd(opts.dtype, port, [])
             try:
                 srv = serve_peers.start_server(f"pagebus_{i}", cmd, None, port, Path(d), 600.0)

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.common import emit, log, percentiles, setup_logging
+from bench.ports import free_port
 
 
 @dataclass
@@ -146,15 +146,9 @@ def summarize(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(extra: list[str]) -> tuple[subprocess.Popen, str]:
     """Start `pagebus serve` on a free port and wait for /health (deadline 10 min)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagebus.frontends.cli", "serve", "--port", str(port), *extra]
     log.info("starting: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)

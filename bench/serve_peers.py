@@ -34,7 +34,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any
 
 from bench.common import emit, log, setup_logging
 from bench.peer_runners.ceilings import cpu_info, native_bf16
+from bench.ports import free_port
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 DEFAULT_PEER_DIR = "~/.cache/pagebus/peers"
@@ -92,12 +92,6 @@ def load_manifest(peer_dir: Path, peer: str) -> dict[str, Any] | None:
 def peer_env(manifest: dict[str, Any]) -> dict[str, str]:
     """Our environment without PYTHONPATH (this repo is not the peer's), plus the peer's settings."""
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | manifest.get("env", {})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, n: int = 15) -> list[str]:

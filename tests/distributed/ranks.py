@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.ports import free_port
+from bench.ports import free_port
 
 TIMEOUT_S = 120.0
 

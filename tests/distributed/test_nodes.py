@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from bench.gpu_e2e import write_llama_config
+from bench.ports import free_port
 from tests.frontends.http.server_proc import ROOT, run_server, wait_all_exited
-from tests.ports import free_port
 
 SHAPE = dict(
     vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import psutil
 
-from tests.ports import free_port
+from bench.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STARTUP_DEADLINE = 180.0

@@ -1,4 +1,4 @@
-"""Free TCP ports for tests that start servers, picked below the kernel's ephemeral range.
+"""Free TCP ports for the tests and benches that start servers, picked below the kernel's ephemeral range.
 
 A port from `bind(("127.0.0.1", 0))` lies in the ephemeral range, where the kernel also picks the
 local ports of outgoing connections and of every other `bind(0)`: between the pick and the
@@ -42,4 +42,4 @@ def free_port(n: int = 1) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise AssertionError(f"no run of {n} free ports below {high + n}")
+    raise RuntimeError(f"no run of {n} free ports between {_FLOOR} and {high + n}")
