@@ -2,6 +2,8 @@
 
     python -m bench.decode_floor [--batch 32 64] [--context 192] [--dtype bfloat16]
 
+float32 also times attention over float16 caches of the same values (--kv-cache-dtype float16).
+
 The default model's decode stack op by op (csrc/cpu_ops.cpp, as DecodeStack runs it), on random
 weights and caches of its shapes, a separate weight set and cache per layer as in the engine, so
 weights and K/V come from DRAM as they do there. The block tables follow the engine's allocation
@@ -164,6 +166,38 @@ def measure(
     rows_k = each(lambda w: ops.qkv_decode_attention(
         qkv, h, kvh, positions, cos_sin, w["k"], w["v"], slots, tables, lens, starts, scale))  # fmt: skip
     attention_rows_k = round(best_of(rows_k, reps) * 1e3, 3) if len(k_layout) == 5 else ms["attention"]
+    f16: dict[str, float] = {}
+    if (
+        dtype is torch.float32 and ops.f16_cache_built()
+    ):  # --kv-cache-dtype float16: the same values, half the bytes
+        for w in layers:
+            w["k16"], w["v16"] = w["k"].half(), w["v"].half()
+        f16["attention_ms_f16_cache"] = round(
+            best_of(
+                each(
+                    lambda w: ops.qkv_decode_attention(
+                        qkv,
+                        h,
+                        kvh,
+                        positions,
+                        cos_sin,
+                        w["k16"],
+                        w["v16"],
+                        slots,
+                        tables,
+                        lens,
+                        starts,
+                        scale,
+                    )
+                ),
+                reps,
+            )
+            * 1e3,
+            3,
+        )
+        f16["attention_f16_cache_in_cache_ms"] = round(best_of(lambda: [ops.qkv_decode_attention(
+            qkv, h, kvh, positions, cos_sin, layers[0]["k16"], layers[0]["v16"], slots, tables, lens, starts, scale)
+            for _ in layers], reps) * 1e3, 3)  # fmt: skip
     one = layers[0]  # every call on one layer's cache: its K/V stay in L3, so this is the arithmetic
     in_cache = best_of(
         lambda: [
@@ -194,6 +228,7 @@ def measure(
         "matmul_vs_floor": {k: round(ms[k] / v, 3) for k, v in matmul_floor.items()},
         "attention_k_layout": "token_pairs" if len(k_layout) == 5 else "rows",
         "attention_ms_k_rows": attention_rows_k,  # the same attention on a row-layout K cache
+        **f16,
         "attention_kv_mb": round(kv_bytes / 1e6, 1),
         "attention_kv_in_cache_ms": round(in_cache * 1e3, 3),
         "attention_floor_ms": {

@@ -66,10 +66,11 @@ TARGET_PROCESS_SPLIT = 0.95
 
 
 # --------------------------------------------------------------------------------------------- pagebus
-def pagebus_generate(dtype: str) -> tuple[Generate, Any]:
+def pagebus_generate(dtype: str, kv_cache_dtype: str = "auto") -> tuple[Generate, Any]:
     from pagebus import LLM, SamplingParams
 
-    llm = LLM(None, dtype=dtype, seed=0, enable_prefix_caching=False)  # as the peers: no cache hits
+    # as the peers: no cache hits
+    llm = LLM(None, dtype=dtype, seed=0, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
 
     def generate(prompts: list[list[int]], n: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -86,10 +87,11 @@ def _pagebus_version() -> str | None:
         return None
 
 
-def run_pagebus(job: dict[str, Any], dtype: str) -> dict[str, Any]:
+def run_pagebus(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[str, Any]:
     t = time.perf_counter()
-    generate, llm = pagebus_generate(dtype)
-    result = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype}
+    generate, llm = pagebus_generate(dtype, kv_cache_dtype)
+    result = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype,
+              "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
     result["load_s"] = round(time.perf_counter() - t, 2)
     try:
         return result | measure(job, generate)
@@ -98,10 +100,12 @@ def run_pagebus(job: dict[str, Any], dtype: str) -> dict[str, Any]:
             llm.shutdown()
 
 
-def run_pagebus_batch(job: dict[str, Any], dtype: str) -> dict[str, Any]:
+def run_pagebus_batch(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[str, Any]:
     """The offline prompts LLM.generate timed, through `pagebus run-batch`; its time is run-batch's
     own summary line (engine start-up and shutdown excluded, reported as process_s)."""
-    opts = argparse.Namespace(dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None)
+    opts = argparse.Namespace(
+        dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None, kv_cache_dtype=kv_cache_dtype
+    )
     by_size = {}
     for n, _, timed in offline_plan(job["offline_sizes"]):
         work = [(p, job["output_len"]) for p in variant(job["prompts"][:n], timed)]
@@ -347,6 +351,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peer-dir", default=DEFAULT_PEER_DIR)
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="pagebus's, HF's and vLLM's dtype; auto: bfloat16 where native, else float32")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16"),
+                    help="pagebus's KV cache (float16: llama.cpp's default KV type, half a float32 cache)")  # fmt: skip
     ap.add_argument("--llamacpp-formats", nargs="+", default=None,
                     help="GGUFs to run (f32 f16 bf16 q8_0 q4_1); default: those worth trying here")  # fmt: skip
     ap.add_argument("--llamacpp-n-batch", type=int, default=2048, help="tokens per llama_decode call")
@@ -391,14 +397,18 @@ def main() -> None:
     engines: dict[str, dict[str, Any]] = {}
     log.info("pagebus (%s): %s x %d in x %d out", args.dtype, sizes, args.input_len, args.output_len)
     try:
-        engines["pagebus"] = {"loadavg_1m_at_start": _load()} | run_pagebus(job, args.dtype)
+        engines["pagebus"] = {"loadavg_1m_at_start": _load()} | run_pagebus(
+            job, args.dtype, args.kv_cache_dtype
+        )
     except Exception as e:  # still report the peers
         log.exception("pagebus failed")
         engines["pagebus"] = {"error": f"{type(e).__name__}: {e}"}
     if "run-batch" not in args.skip:
         load = _load()
         try:
-            engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | run_pagebus_batch(job, args.dtype)
+            engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | run_pagebus_batch(
+                job, args.dtype, args.kv_cache_dtype
+            )
         except Exception as e:
             log.exception("run-batch failed")
             engines["pagebus_run_batch"] = {"error": f"{type(e).__name__}: {e}"}

@@ -2,7 +2,8 @@
 (JSONL through the processes) on the same requests.
 
     python -m bench.throughput [--num-requests 64] [--input-len 128] [--output-len 128]
-        [--dtype auto] [--max-num-batched-tokens 2048] [--random-range-ratio 0] [--paths llm run-batch]
+        [--dtype auto] [--kv-cache-dtype auto] [--max-num-batched-tokens 2048] [--random-range-ratio 0]
+        [--paths llm run-batch]
 
 Prompts are random token ids (fixed seed) so the input length is exact; greedy, ignore_eos.
 A short warm-up generate is excluded. Prints one JSON object.
@@ -43,7 +44,10 @@ def make_prompts(
 def run_llm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, float]:
     from pagebus import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+    llm = LLM(
+        args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": ids} for ids, _ in work[:2]], warm, use_tqdm=False)
     prompts = [{"prompt_token_ids": ids} for ids, _ in work]
@@ -86,6 +90,7 @@ def run_batch(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
             args.dtype,
         ]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        cmd += ["--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
         cmd += ["--max-inflight", str(args.max_inflight)] + (["--model", args.model] if args.model else [])
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -111,6 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="pagebus's --kv-cache-dtype")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

@@ -27,7 +27,7 @@ ExecutorBackend = Literal["mp", "ray"]
 Quantization = Literal["gguf", "int8", "gptq", "awq", "fp8", "none"]
 # The paged KV cache's element type (vLLM's names): auto is the model dtype; fp8 and fp8_e4m3 store
 # e4m3 with a per-layer scale for K and for V (kernels/fp8.py)
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+KVCacheDtype = Literal["auto", "float16", "fp8", "fp8_e4m3"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when nothing is given
 SpecMethod = Literal["ngram", "draft_model"]

@@ -19,7 +19,10 @@ _HELP = {
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "attention_backend": "auto: Triton on CUDA, cpu (compiled ops; torch if they cannot be built) on CPU",
-    "kv_cache_dtype": "auto: the model dtype; fp8/fp8_e4m3: e4m3 cache, half the bytes of bf16",
+    "kv_cache_dtype": (
+        "auto: the model dtype; float16: half the bytes of a float32 cache (AVX2 CPUs run float32); "
+        "fp8/fp8_e4m3: e4m3 cache, half the bytes of bf16"
+    ),
     "tensor_parallel_size": "worker processes that each hold 1/N of every layer",
     "pipeline_parallel_size": "contiguous layer stages, one worker group each",
     "pipeline_steps_in_flight": "steps in the pipeline at once, 1..pipeline-parallel-size; "

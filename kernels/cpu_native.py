@@ -8,8 +8,9 @@ decode attention: 8 plus per-step index building) with one call.
 
 What runs where: float32 and bfloat16 CPU tensors take the compiled ops (rms_norm,
 add_rms_norm, silu_and_mul, rotary, write_kv, and attention for the sequences with one query
-token; bf16 is computed in float32 and rounded where the refs round); float16, an fp8 cache,
-or a prefill chunk's attention takes the torch backend's function (kernels/*_cpu), which stays
+token; bf16 is computed in float32 and rounded where the refs round), over caches of their dtype
+or, for float32, a float16 cache (`native_cache`); float16 activations, an fp8 cache, or a
+prefill chunk's attention takes the torch backend's function (kernels/*_cpu), which stays
 the reference these are tested against (tests/kernels).
 
 The extension is compiled once per machine with -O3 -march=native -fopenmp (torch's
@@ -55,6 +56,26 @@ def _native(*xs: torch.Tensor) -> bool:
         if x.dtype is not dtype or not x.is_cpu:
             return False
     return True
+
+
+def native_cache(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches the compiled ops read and write beside activations x (a dtype `_native` takes):
+    of x's dtype, or float16 beside float32 (--kv-cache-dtype float16: half the bytes a decode
+    streams; F16C converts them) in 16-token blocks of head_dim 64 or 128 on a build with F16C."""
+    dtype = k_cache.dtype
+    if dtype is x.dtype:
+        return v_cache.dtype is dtype and k_cache.is_cpu and v_cache.is_cpu
+    return (
+        dtype is torch.float16
+        and v_cache.dtype is dtype
+        and x.dtype is torch.float32
+        and k_cache.is_cpu
+        and v_cache.is_cpu
+        and k_cache.dim() == 4
+        and k_cache.shape[1] == 16
+        and k_cache.shape[3] in (64, 128)
+        and native_ops().f16_cache_built()
+    )
 
 
 @functools.cache
@@ -222,7 +243,7 @@ def write_kv_cache(
     if k_cache.dim() == 5:  # token pairs: bf16 only, written by the compiled op alone
         native_ops().write_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)
         return
-    if not _native(key, value, k_cache, v_cache) or not _rows(key, value):
+    if not (_native(key, value) and native_cache(key, k_cache, v_cache)) or not _rows(key, value):
         write_kv_cache_cpu(
             key, value, k_cache, v_cache, slot_mapping, memo=memo, k_scale=k_scale, v_scale=v_scale
         )
@@ -268,7 +289,8 @@ def paged_attention(
     (decode_attention), then prefill chunks (prefill_attention: 16-token blocks of head_dim 64 or
     128); other prefill chunks go through SDPA one sequence at a time, as in the torch backend."""
     native = (
-        _native(q, k_cache, v_cache)
+        _native(q)
+        and native_cache(q, k_cache, v_cache)
         and k_scale == 1.0
         and v_scale == 1.0
         and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
@@ -363,7 +385,8 @@ def qkv_decode_attention(
     in one compiled call -> [T, h d]; None (the caller runs the separate ops) where that call
     does not apply: a query of several tokens, a cache or dtype the compiled ops do not take."""
     if not (
-        _native(qkv, k_cache, v_cache)
+        _native(qkv)
+        and native_cache(qkv, k_cache, v_cache)
         and cos_sin_cache.dtype is torch.float32
         and qkv.stride(1) == 1
         and native_caches(k_cache, v_cache)

@@ -17,7 +17,9 @@ import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-_KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
+# float16: half a float32 cache's bytes at 10 mantissa bits (llama.cpp's default KV type); the
+# compiled CPU ops read it beside float32 activations (kernels/cpu_native.py native_cache).
+_KV_CACHE_DTYPES = {"float16": torch.float16, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -25,7 +27,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return model_dtype
     if name not in _KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name!r} is not supported (auto, fp8, fp8_e4m3)")
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported (auto, float16, fp8, fp8_e4m3)")
     return _KV_CACHE_DTYPES[name]
 
 

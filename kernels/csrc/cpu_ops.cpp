@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -56,6 +57,7 @@ inline float fast_exp(float x) {
 }
 
 using bf16 = c10::BFloat16;
+using f16 = c10::Half;  // a float16 KV cache beside float32 activations (--kv-cache-dtype float16)
 
 // The float32 vector the tile matmul, decode attention and the elementwise ops are written in: a zmm (16 lanes) on
 // AVX-512 builds, a ymm (8 lanes) on AVX2 + FMA ones (PAGEBUS_SIMD: either). AVX2 has 16 vector
@@ -90,6 +92,30 @@ inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 #else
 constexpr int64_t kLanes = 16;  // no kernel of this file vectorises by hand; only the tile size
+#endif
+
+// A float16 cache's values as float32 vectors (exact) and float32 vectors rounded to float16
+// (nearest even): one F16C/AVX-512 instruction each way, so a half-size cache costs the
+// attention kernels a conversion per load where it halves the bytes they stream from DRAM.
+#if defined(PAGEBUS_SIMD) && (defined(__AVX512F__) || defined(__F16C__))
+#define PAGEBUS_F16 1
+#ifdef __AVX512F__
+inline vf vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(f16* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+inline vf vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(f16* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+// n float32 values into a float16 row (the cache writes).
+inline void store_f16_row(const float* src, f16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<f16>(src[i]);
+}
 #endif
 
 #ifdef PAGEBUS_SIMD
@@ -156,6 +182,27 @@ torch::ScalarType check_dtype(std::initializer_list<const torch::Tensor*> ts, co
     using T = bf16;                         \
     __VA_ARGS__;                            \
   }
+
+// Whether this build reads and writes float16 caches beside float32 activations.
+bool f16_cache_built() {
+#ifdef PAGEBUS_F16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// K and V caches of the activations' dtype st, or float16 beside float32 (where this build has
+// F16C); true for the latter.
+bool check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::ScalarType st, const char* what) {
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == ct, what,
+              ": K and V caches must be CPU tensors of one dtype");
+  if (ct == st) return false;
+  TORCH_CHECK(ct == torch::kHalf && st == torch::kFloat32 && f16_cache_built(), what,
+              ": caches must have the activations' dtype, or float16 beside float32 (on CPUs with F16C)");
+  return true;
+}
 
 // Row r of `x` as float32 (bf16 widened into `buf`; float32 read in place).
 inline const float* as_f32(const float* x, int64_t, float*) { return x; }
@@ -345,7 +392,7 @@ inline void put_k_pairs(const void* src, void* block, int64_t o, int64_t kvh, in
 // (-1: skip).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slots) {
-  check_dtype({&k, &v, &k_cache, &v_cache}, "write_kv");
+  const bool half = check_caches(k_cache, v_cache, check_dtype({&k, &v}, "write_kv"), "write_kv");
   if (k_cache.dim() == 5) {
     check_pairs(k_cache, v_cache, "write_kv");
     const CacheDims kd = cache_dims(k_cache);
@@ -378,11 +425,28 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * bs, esize = k.element_size();
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), row = kvh * d * esize;
+  if (half) {
+#ifdef PAGEBUS_F16
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    f16* kc = k_cache.data_ptr<f16>();
+    f16* vc = v_cache.data_ptr<f16>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < num_slots, "write_kv: slot ", slot, " beyond the cache's ", num_slots);
+      const int64_t off = (slot / bs) * s0 + (slot % bs) * s1;
+      store_f16_row(kp + t * k.stride(0), kc + off, kvh * d);
+      store_f16_row(vp + t * v.stride(0), vc + off, kvh * d);
+    }
+#endif
+    return;
+  }
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), row = kvh * d * esize;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = sp[t];
     if (slot < 0) continue;
@@ -529,25 +593,25 @@ inline void block_scores(const float* __restrict__ q, const T* __restrict__ k0, 
 
 // out[hh] = sum_j p[hh, j] V[j] for HC query heads sharing one KV head: the outputs stay in
 // registers over every token, and each V row is loaded once for the HC heads.
-template <int NV, int HC, typename T>
-inline void heads_times_v(const float* __restrict__ p, int64_t L, const T* vc, const int32_t* table, int64_t s0,
+template <int NV, int HC, typename C, typename T>
+inline void heads_times_v(const float* __restrict__ p, int64_t L, const C* vc, const int32_t* table, int64_t s0,
                           int64_t s1, int64_t bs, T* __restrict__ out, int64_t d) {
   vf acc[HC][NV];
   for (int i = 0; i < HC; ++i)
     for (int c = 0; c < NV; ++c) acc[i][c] = vzero();
   for (int64_t j0 = 0; j0 < L; j0 += bs) {
-    const T* base = vc + table[j0 / bs] * s0;
+    const C* base = vc + table[j0 / bs] * s0;
     const int64_t n = std::min(bs, L - j0);
     // This head's rows two blocks ahead (from the first block, block 1 too), one per row
     // now: blocks sit anywhere in the cache, and the hardware prefetcher does not run ahead
     // across them. 30 layers of 32 sequences x 192 tokens (bf16, 141 MB of K/V, two threads):
     // 7.15 ms without, 4.65 with one block ahead, 4.31 as here; 2.78 with the K/V in cache.
-    const T* next1 = j0 == 0 && bs < L ? vc + table[1] * s0 : nullptr;
-    const T* next2 = j0 + 2 * bs < L ? vc + table[j0 / bs + 2] * s0 : nullptr;
+    const C* next1 = j0 == 0 && bs < L ? vc + table[1] * s0 : nullptr;
+    const C* next2 = j0 + 2 * bs < L ? vc + table[j0 / bs + 2] * s0 : nullptr;
     for (int64_t o = 0; o < n; ++o) {
-      const T* vr = base + o * s1;
-      if (next1 != nullptr) prefetch_row(next1 + o * s1, d * static_cast<int64_t>(sizeof(T)));
-      if (next2 != nullptr) prefetch_row(next2 + o * s1, d * static_cast<int64_t>(sizeof(T)));
+      const C* vr = base + o * s1;
+      if (next1 != nullptr) prefetch_row(next1 + o * s1, d * static_cast<int64_t>(sizeof(C)));
+      if (next2 != nullptr) prefetch_row(next2 + o * s1, d * static_cast<int64_t>(sizeof(C)));
       vf vv[NV];
       for (int c = 0; c < NV; ++c) vv[c] = vload(vr + kLanes * c);
       for (int i = 0; i < HC; ++i) {
@@ -774,8 +838,9 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
 // decode_rows_pairs): the same work items, float32 arithmetic and softmax; scores 16 tokens at a
 // time (block_scores) and the V sums in registers (heads_times_v), rounded once into `out`. At
 // 32 sequences of ~200 tokens this halved attention's share of a float32 step (AVX-512).
-template <int NV, typename T>
-void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
+// C: the caches' type, T's or float16 beside float32 activations.
+template <int NV, typename T, typename C = T>
+void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, const C* vc, int64_t s0, int64_t s1,
                       int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
                       int64_t h, int64_t kvh, float sc) {
   constexpr int64_t d = kLanes * NV, bs = 16;
@@ -793,13 +858,13 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, 
       const float* qt = as_f32(qp + t * qs, h * d, qbuf.data());  // heads adjacent
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const int64_t n = std::min(bs, L - j0);
-        const T* kb = kc + table[j0 / bs] * s0;
+        const C* kb = kc + table[j0 / bs] * s0;
         // K rows of every KV head ahead, as for V (heads_times_v), a few tokens per head scored
-        const int64_t row_bytes = kvh * d * static_cast<int64_t>(sizeof(T));
+        const int64_t row_bytes = kvh * d * static_cast<int64_t>(sizeof(C));
         for (int64_t hh = 0; hh < h; ++hh) {
           for (int64_t ahead = j0 == 0 ? 1 : 2; ahead <= 2; ++ahead) {
             if (j0 + ahead * bs >= L) break;
-            const T* next = kc + table[j0 / bs + ahead] * s0;
+            const C* next = kc + table[j0 / bs + ahead] * s0;
             for (int64_t o = hh; o < bs; o += h) prefetch_row(next + o * s1, row_bytes);
           }
           block_scores<NV>(qt + hh * d, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
@@ -808,7 +873,7 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, 
       softmax_rows(sp, h, L);
       T* ot = op0 + t * os;
       for (int64_t g = 0; g < kvh; ++g) {
-        const T* vg = vc + g * s2;
+        const C* vg = vc + g * s2;
         int64_t hh = g * group;
         const int64_t end = hh + group;
         for (; hh + HC <= end; hh += HC) heads_times_v<NV, HC>(sp + hh * L, L, vg, table, s0, s1, bs, ot + hh * d, d);
@@ -874,7 +939,8 @@ torch::ScalarType check_paged_args(const torch::Tensor& out, const torch::Tensor
                                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                                    const char* what) {
-  const auto st = check_dtype({&out, &q, &k_cache, &v_cache}, what);
+  const auto st = check_dtype({&out, &q}, what);
+  check_caches(k_cache, v_cache, st, what);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32,
               what, ": int32 block tables, lengths and query starts expected");
@@ -924,6 +990,19 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   }
 #endif
   TORCH_CHECK(!kd.pairs, "decode_attention: this build has no kernel for a token-pairs K cache (AVX-512 BF16)");
+  const bool half = k_cache.scalar_type() != st;  // float16 beside float32 (check_caches)
+#ifdef PAGEBUS_F16
+  if (half) {
+    TORCH_CHECK(bs == 16 && (d == 64 || d == 128), "decode_attention: a float16 cache needs 16-token blocks of "
+                "head_dim 64 or 128");
+    (d == 64 ? decode_rows_fast<64 / kLanes, float, f16> : decode_rows_fast<128 / kLanes, float, f16>)(
+        out.data_ptr<float>(), out.stride(0), q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<f16>(),
+        v_cache.data_ptr<f16>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), btp, width, lp, qp0, B, h,
+        kvh, sc);
+    return;
+  }
+#endif
+  TORCH_CHECK(!half, "decode_attention: this build has no kernel for a float16 cache");
 #ifdef PAGEBUS_SIMD
   if (bs == 16 && (d == 64 || d == 128)) {
 #define FAST(T)                                                                                                   \
@@ -1379,8 +1458,8 @@ void prefill_item_amx(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const b
 // KP: K is a token-pairs cache (ks0 its block stride; s0-s2 are V's strides), whose head runs
 // [d / 2][16] pairs are already the bf16 scores' transposed layout: copied, not transposed, and
 // read in place, where a row copy of the chunk's blocks was gathered for every layer before.
-template <int NV, typename T, bool KP = false>
-void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, const T* vc, int64_t s0, int64_t s1,
+template <int NV, typename T, bool KP = false, typename C = T>
+void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, const C* vc, int64_t s0, int64_t s1,
                   int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
                   int64_t h, int64_t kvh, float sc, int64_t ks0) {
   static_assert(!KP || kPairScores<T>, "a token-pairs K cache is read by the bf16 pair scores only");
@@ -1448,8 +1527,8 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
         const int64_t groups = (n + bs - 1) / bs;
         for (int64_t gi = 0; gi < groups; ++gi) {
           const int64_t nk = std::min(bs, n - gi * bs);
-          const T* kb = KP ? kc + table[j0 / bs + gi] * ks0 + g * d * bs : kc + table[j0 / bs + gi] * s0 + g * s2;
-          const T* vbk = vc + table[j0 / bs + gi] * s0 + g * s2;
+          const C* kb = KP ? kc + table[j0 / bs + gi] * ks0 + g * d * bs : kc + table[j0 / bs + gi] * s0 + g * s2;
+          const C* vbk = vc + table[j0 / bs + gi] * s0 + g * s2;
           if constexpr (pairs) {
 #ifdef __AVX512BF16__
             stage_v_pairs<NV>(vbk, s1, nk, reinterpret_cast<int32_t*>(vb) + gi * (bs / 2) * d);
@@ -1473,7 +1552,7 @@ void prefill_rows(T* op0, int64_t os, const T* qp, int64_t qs, const T* kc, cons
             for (int64_t c = 0; c < (pairs ? d / 2 : d) / kLanes; ++c) {
               vf kr16[kLanes];
               for (int64_t k = 0; k < kLanes; ++k) {
-                const T* kr = kb + (k0 + k) * s1;
+                const C* kr = kb + (k0 + k) * s1;
                 if (k0 + k >= nk) {
                   kr16[k] = vzero();
                 } else if constexpr (pairs) {
@@ -1565,6 +1644,17 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
   }
 #endif
   if (kd.pairs) return false;
+  if (k_cache.scalar_type() != st) {  // float16 beside float32 (check_caches)
+#ifdef PAGEBUS_F16
+    (d == 64 ? prefill_rows<4, float, false, f16> : prefill_rows<8, float, false, f16>)(
+        out.data_ptr<float>(), out.stride(0), q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<f16>(),
+        v_cache.data_ptr<f16>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.data_ptr<int32_t>(), width,
+        lp, qp0, B, h, kvh, sc, 0);
+    return true;
+#else
+    return false;
+#endif
+  }
 #define ROWS(T)                                                                                                  \
   (d == 64 ? prefill_rows<4, T> : prefill_rows<8, T>)(                                                           \
       out.data_ptr<T>(), out.stride(0), q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), \
@@ -1592,7 +1682,8 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
                                    torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
                                    torch::Tensor query_start_loc, double scale) {
-  const auto st = check_dtype({&qkv, &k_cache, &v_cache}, "qkv_decode_attention");
+  const auto st = check_dtype({&qkv}, "qkv_decode_attention");
+  const bool f16_cache = check_caches(k_cache, v_cache, st, "qkv_decode_attention");
   const CacheDims kd = cache_dims(k_cache);
   const int64_t ntok = qkv.size(0), d = kd.d, bs = kd.bs;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d && qkv.stride(1) == 1 && kd.kvh == kvh,
@@ -1620,7 +1711,25 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
   const float* csp = cos_sin.data_ptr<float>();
   auto out = torch::empty({ntok, h, d}, qkv.options());
   const int64_t s0 = v_cache.stride(0), s1 = v_cache.stride(1), ld = qkv.stride(0);
-  DISPATCH(st, {
+  if (f16_cache) {  // float32 activations, float16 caches: K rotated in float32, then rounded
+#ifdef PAGEBUS_F16
+    const float* x = qkv.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    f16* kc = k_cache.data_ptr<f16>();
+    f16* vc = v_cache.data_ptr<f16>();
+    std::vector<float> krow(static_cast<size_t>(kvh * d));
+    for (int64_t t = 0; t < ntok; ++t) {
+      const float* c = csp + pp[t] * rot;
+      const float* xt = x + t * ld;
+      for (int64_t j = 0; j < h; ++j) rotate_head(xt + j * d, op + (t * h + j) * d, c, c + half, half, rot, d);
+      if (sp[t] < 0) continue;
+      const int64_t off = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
+      for (int64_t g = 0; g < kvh; ++g) rotate_head(xt + (h + g) * d, krow.data() + g * d, c, c + half, half, rot, d);
+      store_f16_row(krow.data(), kc + off, kvh * d);
+      store_f16_row(xt + (h + kvh) * d, vc + off, kvh * d);
+    }
+#endif
+  } else DISPATCH(st, {
     const T* x = qkv.data_ptr<T>();
     T* op = out.data_ptr<T>();
     T* kc = k_cache.data_ptr<T>();
@@ -2101,6 +2210,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "paged causal attention of the prefill chunks (False: not taken)");
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
+  m.def("f16_cache_built", &f16_cache_built, "whether float16 caches beside float32 activations are compiled in");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
   // module_local: two builds (an A/B of kernels) can be loaded in one process
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())

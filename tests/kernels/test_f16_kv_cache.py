@@ -1,0 +1,102 @@
+"""A float16 KV cache beside float32 activations (--kv-cache-dtype float16) in the compiled CPU
+ops: the writes round as torch's cast does, and attention over the float16 values equals the
+ref's float32 attention over the same values (summation order only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagebus.kernels import cpu_native as native
+from pagebus.kernels.kv_cache_write import write_kv_cache_ref
+from pagebus.kernels.paged_attention import paged_attention_ref
+from pagebus.workers.layers.rotary import build_cos_sin_cache
+
+from tests.kernels.paged_batch import make_batch
+from tests.kernels.test_paged_attention import DECODES, MIXED
+
+TOL = {"atol": 2e-5, "rtol": 2e-5}
+
+
+def _f16_built() -> bool:
+    return native.available() is None and native.native_ops().f16_cache_built()
+
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ops"),
+    pytest.mark.skipif(not _f16_built(), reason="float16 caches need the compiled ops with F16C or AVX-512"),
+]
+
+
+def _f16_batch(seqs: list[tuple[int, int]], head_dim: int, heads: tuple[int, int] = (9, 3)):  # type: ignore[no-untyped-def]
+    batch = make_batch(seqs, *heads, head_dim)
+    batch.k_cache, batch.v_cache = batch.k_cache.half(), batch.v_cache.half()
+    return batch
+
+
+def test_write_kv_rounds_as_torch_and_skips_slot_minus_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(8, 2, 16, 3, 64, generator=g).half()  # interleaved K/V pages: strided caches
+    k, v = torch.randn(5, 3, 64, generator=g) * 300, torch.randn(5, 3, 64, generator=g) * 1e-5
+    k[0, 0, :3] = torch.tensor([7e4, -7e4, 65519.0])  # past float16's range: inf, as torch's cast
+    slots = torch.tensor([3, -1, 17, 127, 64])
+    want_k, want_v = kv[:, 0].clone(), kv[:, 1].clone()
+    write_kv_cache_ref(k, v, want_k, want_v, slots)
+    assert native.native_cache(k, kv[:, 0], kv[:, 1])
+    native.write_kv_cache(k, v, kv[:, 0], kv[:, 1], slots)
+    assert torch.equal(kv[:, 0], want_k) and torch.equal(kv[:, 1], want_v)
+
+
+PREFILLS = [(40, 0), (17, 0), (16, 16), (2, 0), (100, 37), (3, 140)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqs", [DECODES, MIXED, PREFILLS], ids=["decodes", "mixed", "prefills"])
+def test_attention_reads_the_float16_cache_in_place(seqs: list[tuple[int, int]], head_dim: int) -> None:
+    batch = _f16_batch(seqs, head_dim)
+    ref = paged_attention_ref(*batch.args(), head_dim**-0.5)  # float32 over the widened cache
+    got = native.paged_attention(*batch.args(), head_dim**-0.5, max_query_len=max(n for n, _ in seqs))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, **TOL)
+    # the compiled kernels take both kinds of rows themselves (no torch fallback behind the result)
+    out = torch.zeros_like(batch.q)
+    ops = native.native_ops()
+    ops.decode_attention(out, *batch.args(), head_dim**-0.5)
+    assert ops.prefill_attention(out, *batch.args(), head_dim**-0.5)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_fused_decode_attention_writes_and_reads_float16() -> None:
+    """qkv_decode_attention over float16 caches = rotary, write_kv, then paged_attention."""
+    h, kvh, d, bs = 9, 3, 64, 16
+    batch = _f16_batch(DECODES, d, (h, kvh))
+    t = len(DECODES)
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    positions = batch.seq_lens.long() - 1
+    slots = batch.block_tables[torch.arange(t), positions // bs].long() * bs + positions % bs
+    cos_sin = build_cos_sin_cache(d, 2048, 10000.0, None)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    caches = [c.clone() for c in (batch.k_cache, batch.v_cache)]
+    q, k = native.rotary_embedding(positions, q.view(t, -1, d), k.view(t, -1, d), cos_sin)
+    native.write_kv_cache(k, v.reshape(t, -1, d), *caches, slots)
+    tables = batch.args()[3:]
+    want = native.paged_attention(q, *caches, *tables, 0.125, max_query_len=1)
+    got = native.qkv_decode_attention(
+        qkv, h, kvh, positions, cos_sin, batch.k_cache, batch.v_cache, slots, *tables, 0.125
+    )
+    assert got is not None
+    torch.testing.assert_close(got, want.reshape(t, -1), **TOL)
+    assert torch.equal(batch.k_cache, caches[0]) and torch.equal(batch.v_cache, caches[1])
+
+
+def test_other_float16_pairings_run_the_torch_backend() -> None:
+    """Only float32 activations over 16-token blocks of head_dim 64 or 128 take the compiled
+    float16 path; the rest (bf16 activations, other head sizes) get the torch backend's result."""
+    batch = _f16_batch(DECODES + MIXED, 32, (8, 2))
+    assert not native.native_cache(batch.q, batch.k_cache, batch.v_cache)
+    ref = paged_attention_ref(*batch.args(), 0.125)
+    torch.testing.assert_close(native.paged_attention(*batch.args(), 0.125, max_query_len=129), ref, **TOL)
+    bf16 = _f16_batch(DECODES, 64)
+    bf16.q = bf16.q.bfloat16()
+    assert not native.native_cache(bf16.q, bf16.k_cache, bf16.v_cache)
+    got = native.paged_attention(*bf16.args(), 0.125, max_query_len=1)
+    torch.testing.assert_close(got, paged_attention_ref(*bf16.args(), 0.125), atol=1.6e-2, rtol=1.6e-2)
