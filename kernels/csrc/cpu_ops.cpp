@@ -563,6 +563,24 @@ inline void vstore_first(float* p, vf v, int64_t n) {
 }
 #endif  // __AVX512F__
 
+// f(c, next) for the claims c = 0 .. n - 1, each taken by a thread from a shared counter when it
+// is ready for one (next: the claim that thread takes after c, n if none; each holds one ahead, so
+// it can prefetch for it). A thread slowed by another process (the engine's scheduler and
+// frontends share the cores) takes fewer claims, where a fixed share per thread kept the others
+// waiting for it at the region's end (the tile matmul, decode attention: see there what it gave).
+template <typename F>
+static void for_each_claim(int64_t n, F&& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n;) {
+      const int64_t after = std::min(n, next.fetch_add(1, std::memory_order_relaxed));
+      f(c, after);
+      c = after;
+    }
+  });
+}
+
 // Ask for `bytes` from p on into L1, a cache line at a time.
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -778,11 +796,12 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
   constexpr int64_t d = 16 * NV, bs = 16;
   constexpr int HC = NV <= 4 ? 3 : 2;
   const int64_t group = h / kvh, row_bytes = kvh * d * 2;
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scores, inv(static_cast<size_t>(h));
-    std::vector<bf16> probs;
-    for (int64_t b = b0; b < b1; ++b) {
-      if (qp0[b + 1] - qp0[b] != 1) continue;
+  for_each_claim(B, [&](int64_t b, int64_t) {  // a sequence a claim, as decode_rows_fast
+    if (qp0[b + 1] - qp0[b] != 1) return;
+    thread_local std::vector<float> scores, inv;
+    thread_local std::vector<bf16> probs;
+    inv.resize(static_cast<size_t>(h));
+    {
       const int64_t t = qp0[b], L = lp[b], Lp = (L + 15) / 16 * 16, nb = (L + bs - 1) / bs;
       scores.resize(static_cast<size_t>(h * L));
       probs.resize(static_cast<size_t>(h * Lp));
@@ -848,12 +867,14 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, 
   // query heads per pass over V: their sums and a V row in registers (32 on AVX-512, 16 on AVX2)
   constexpr int HC = kLanes == 16 ? (NV <= 4 ? 3 : 2) : 1;
   const int64_t group = h / kvh;
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scores, qbuf(static_cast<size_t>(h * d));
-    for (int64_t b = b0; b < b1; ++b) {
-      if (qp0[b + 1] - qp0[b] != 1) continue;
+  // a sequence a claim: their lengths differ, so fixed shares by count would not be even
+  for_each_claim(B, [&](int64_t b, int64_t) {
+    if (qp0[b + 1] - qp0[b] != 1) return;
+    thread_local std::vector<float> scores, qbuf;
+    {
       const int64_t t = qp0[b], L = lp[b];
       scores.resize(static_cast<size_t>(h * L));
+      qbuf.resize(static_cast<size_t>(h * d));
       float* sp = scores.data();
       const int32_t* table = btp + b * width;
       const float* qt = as_f32(qp + t * qs, h * d, qbuf.data());  // heads adjacent
@@ -1892,27 +1913,6 @@ static void row_block(int64_t m, const T* x, int64_t ldx, const T* w, T* y, int6
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
   }
-}
-
-// f(c, next) for the claims c = 0 .. n - 1, each taken by a thread from a shared counter when it
-// is ready for one (next: the claim that thread takes after c, n if none; each holds one ahead, so
-// it can prefetch for it). A thread slowed by another process (the engine's scheduler and
-// frontends share the cores) takes fewer claims, where a fixed share per thread kept the others
-// waiting for it at the region's end. Zen 3, two threads, the default model's 30 layers plus the
-// LM head, means of 8 runs interleaved three times: 64 rows 121-135 -> 114-121 ms, 32 rows
-// 60-74 -> 55-58 ms, 512 rows 761-959 -> 702-742 ms; with a busy process beside them, 32 rows
-// 153-195 -> 117-133 ms, 512 rows 1388-1494 -> 1100-1157 ms.
-template <typename F>
-static void for_each_claim(int64_t n, F&& f) {
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n;) {
-      const int64_t after = std::min(n, next.fetch_add(1, std::memory_order_relaxed));
-      f(c, after);
-      c = after;
-    }
-  });
 }
 
 // Claims per thread that the tile matmul splits its work into: enough to even out a slow thread,
