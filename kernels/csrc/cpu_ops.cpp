@@ -1694,6 +1694,47 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
   return false;
 }
 
+// n values into a cache row: copied, or float32 rounded to float16.
+template <typename T>
+inline void put_row(const T* src, T* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(T));
+}
+#ifdef PAGEBUS_F16
+inline void put_row(const float* src, f16* dst, int64_t n) { store_f16_row(src, dst, n); }
+#endif
+
+// qkv_decode_attention's first half: every token's q heads rotated into `out`, its K heads rotated
+// and its V heads copied into their cache slot (caches of C: T's, or float16 beside float32; K in
+// token pairs where `pairs`). K is rotated straight into the slot where it needs no conversion.
+template <typename T, typename C>
+void rotate_into_caches(const torch::Tensor& qkv, torch::Tensor& out, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                        int64_t h, int64_t kvh, const float* csp, const int64_t* pp, const int64_t* sp, int64_t rot,
+                        int64_t ld, int64_t s0, int64_t s1, bool pairs) {
+  const int64_t d = out.size(2), bs = v_cache.size(1), half = rot / 2;
+  const T* x = qkv.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
+  std::vector<T> krow(static_cast<size_t>(kvh * d));  // rotated K, then into pairs or float16
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const float* c = csp + pp[t] * rot;
+    const T* xt = x + t * ld;
+    for (int64_t j = 0; j < h; ++j) rotate_head(xt + j * d, op + (t * h + j) * d, c, c + half, half, rot, d);
+    if (sp[t] < 0) continue;
+    const int64_t off = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
+    T* kdst = krow.data();
+    if constexpr (std::is_same_v<T, C>)
+      if (!pairs) kdst = kc + off;
+    for (int64_t g = 0; g < kvh; ++g) rotate_head(xt + (h + g) * d, kdst + g * d, c, c + half, half, rot, d);
+    if constexpr (std::is_same_v<T, C>) {
+      if (pairs) put_k_pairs(krow.data(), kc + (sp[t] / bs) * k_cache.stride(0), sp[t] % bs, kvh, d, bs);
+    } else {
+      put_row(krow.data(), kc + off, kvh * d);
+    }
+    put_row(xt + (h + kvh) * d, vc + off, kvh * d);
+  }
+}
+
 // A decode step's whole attention from the fused QKV projection, in one call: q rotated into
 // the output rows, k rotated and v copied straight into their cache slots, then
 // decode_attention in place (each sequence reads its own q row before writing that row).
@@ -1724,7 +1765,7 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
                 "qkv_decode_attention: caches must hold contiguous head vectors, in one layout");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   for (int64_t b = 0; b <= ntok; ++b) TORCH_CHECK(qsl[b] == b, "qkv_decode_attention: a sequence has other than one query token");
-  const int64_t rot = cos_sin.size(1), half = rot / 2, num_slots = k_cache.size(0) * bs;
+  const int64_t rot = cos_sin.size(1), num_slots = k_cache.size(0) * bs;
   TORCH_CHECK(rot <= d, "qkv_decode_attention: rotary dim exceeds head dim");
   const int64_t* pp = positions.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -1733,42 +1774,13 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
   const float* csp = cos_sin.data_ptr<float>();
   auto out = torch::empty({ntok, h, d}, qkv.options());
   const int64_t s0 = v_cache.stride(0), s1 = v_cache.stride(1), ld = qkv.stride(0);
-  if (f16_cache) {  // float32 activations, float16 caches: K rotated in float32, then rounded
+  if (f16_cache) {  // float32 activations, float16 caches
 #ifdef PAGEBUS_F16
-    const float* x = qkv.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    f16* kc = k_cache.data_ptr<f16>();
-    f16* vc = v_cache.data_ptr<f16>();
-    std::vector<float> krow(static_cast<size_t>(kvh * d));
-    for (int64_t t = 0; t < ntok; ++t) {
-      const float* c = csp + pp[t] * rot;
-      const float* xt = x + t * ld;
-      for (int64_t j = 0; j < h; ++j) rotate_head(xt + j * d, op + (t * h + j) * d, c, c + half, half, rot, d);
-      if (sp[t] < 0) continue;
-      const int64_t off = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
-      for (int64_t g = 0; g < kvh; ++g) rotate_head(xt + (h + g) * d, krow.data() + g * d, c, c + half, half, rot, d);
-      store_f16_row(krow.data(), kc + off, kvh * d);
-      store_f16_row(xt + (h + kvh) * d, vc + off, kvh * d);
-    }
+    rotate_into_caches<float, f16>(qkv, out, k_cache, v_cache, h, kvh, csp, pp, sp, rot, ld, s0, s1, false);
 #endif
-  } else DISPATCH(st, {
-    const T* x = qkv.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    T* kc = k_cache.data_ptr<T>();
-    T* vc = v_cache.data_ptr<T>();
-    std::vector<T> krow(static_cast<size_t>(kd.pairs ? kvh * d : 0));  // rotated K, then into token pairs
-    for (int64_t t = 0; t < ntok; ++t) {
-      const float* c = csp + pp[t] * rot;
-      const T* xt = x + t * ld;
-      for (int64_t j = 0; j < h; ++j) rotate_head(xt + j * d, op + (t * h + j) * d, c, c + half, half, rot, d);
-      if (sp[t] < 0) continue;
-      const int64_t off = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
-      T* kdst = kd.pairs ? krow.data() : kc + off;
-      for (int64_t g = 0; g < kvh; ++g) rotate_head(xt + (h + g) * d, kdst + g * d, c, c + half, half, rot, d);
-      if (kd.pairs) put_k_pairs(krow.data(), kc + (sp[t] / bs) * k_cache.stride(0), sp[t] % bs, kvh, d, bs);
-      std::memcpy(vc + off, xt + (h + kvh) * d, kvh * d * sizeof(T));
-    }
-  });
+  } else {
+    DISPATCH(st, rotate_into_caches<T, T>(qkv, out, k_cache, v_cache, h, kvh, csp, pp, sp, rot, ld, s0, s1, kd.pairs));
+  }
   decode_attention(out, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
   return out.view({ntok, h * d});
 }

@@ -33,6 +33,13 @@ def _bf16_built() -> bool:
     return native.available() is None and native.native_ops().bf16_tiles_built()
 
 
+def _f16_built() -> bool:
+    return native.available() is None and native.native_ops().f16_cache_built()
+
+
+_NO_F16 = "float16 caches need the compiled ops with F16C or AVX-512"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
     why = native.available()
@@ -172,6 +179,9 @@ def test_float32_prefill_runs_the_compiled_kernel(head_dim: int) -> None:
         pytest.param(
             torch.bfloat16, "token_pairs", marks=pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)
         ),
+        pytest.param(  # --kv-cache-dtype float16 beside float32
+            torch.float32, "float16", marks=pytest.mark.skipif(not _f16_built(), reason=_NO_F16)
+        ),
     ],
 )
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "rot"), [(9, 3, 64), (8, 1, 32)])
@@ -179,13 +189,15 @@ def test_fused_decode_attention_is_the_separate_ops(
     num_heads: int, num_kv_heads: int, rot: int, dtype: torch.dtype, k_layout: str
 ) -> None:
     """qkv_decode_attention = rotary, then write_kv, then paged_attention, caches included (also
-    on a token-pairs K cache, kernels/cpu_native.py k_cache_shape)."""
+    on a token-pairs K cache, kernels/cpu_native.py k_cache_shape, and float16 caches)."""
     from pagebus.workers.layers.rotary import build_cos_sin_cache
 
     d, bs = 64, 16
     batch = make_batch(DECODES, num_heads, num_kv_heads, d, dtype=dtype)
     if k_layout == "token_pairs":
         batch.k_cache, batch.v_cache = to_token_pairs(batch.k_cache), batch.v_cache.contiguous()
+    elif k_layout == "float16":
+        batch.k_cache, batch.v_cache = batch.k_cache.half(), batch.v_cache.half()
     t = len(DECODES)
     qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * d).to(dtype)
     positions = batch.seq_lens.long() - 1

@@ -1,6 +1,7 @@
 """A float16 KV cache beside float32 activations (--kv-cache-dtype float16) in the compiled CPU
 ops: the writes round as torch's cast does, and attention over the float16 values equals the
-ref's float32 attention over the same values (summation order only)."""
+ref's float32 attention over the same values (summation order only). The fused decode call's
+float16 case is test_cpu_native's test_fused_decode_attention_is_the_separate_ops."""
 
 from __future__ import annotations
 
@@ -9,21 +10,17 @@ import torch
 from pagebus.kernels import cpu_native as native
 from pagebus.kernels.kv_cache_write import write_kv_cache_ref
 from pagebus.kernels.paged_attention import paged_attention_ref
-from pagebus.workers.layers.rotary import build_cos_sin_cache
 
 from tests.kernels.paged_batch import make_batch
+from tests.kernels.test_cpu_native import _NO_F16, _f16_built
 from tests.kernels.test_paged_attention import DECODES, MIXED
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 
-def _f16_built() -> bool:
-    return native.available() is None and native.native_ops().f16_cache_built()
-
-
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ops"),
-    pytest.mark.skipif(not _f16_built(), reason="float16 caches need the compiled ops with F16C or AVX-512"),
+    pytest.mark.skipif(not _f16_built(), reason=_NO_F16),
 ]
 
 
@@ -63,29 +60,6 @@ def test_attention_reads_the_float16_cache_in_place(seqs: list[tuple[int, int]],
     ops.decode_attention(out, *batch.args(), head_dim**-0.5)
     assert ops.prefill_attention(out, *batch.args(), head_dim**-0.5)
     torch.testing.assert_close(out, ref, **TOL)
-
-
-def test_fused_decode_attention_writes_and_reads_float16() -> None:
-    """qkv_decode_attention over float16 caches = rotary, write_kv, then paged_attention."""
-    h, kvh, d, bs = 9, 3, 64, 16
-    batch = _f16_batch(DECODES, d, (h, kvh))
-    t = len(DECODES)
-    qkv = torch.randn(t, (h + 2 * kvh) * d)
-    positions = batch.seq_lens.long() - 1
-    slots = batch.block_tables[torch.arange(t), positions // bs].long() * bs + positions % bs
-    cos_sin = build_cos_sin_cache(d, 2048, 10000.0, None)
-    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-    caches = [c.clone() for c in (batch.k_cache, batch.v_cache)]
-    q, k = native.rotary_embedding(positions, q.view(t, -1, d), k.view(t, -1, d), cos_sin)
-    native.write_kv_cache(k, v.reshape(t, -1, d), *caches, slots)
-    tables = batch.args()[3:]
-    want = native.paged_attention(q, *caches, *tables, 0.125, max_query_len=1)
-    got = native.qkv_decode_attention(
-        qkv, h, kvh, positions, cos_sin, batch.k_cache, batch.v_cache, slots, *tables, 0.125
-    )
-    assert got is not None
-    torch.testing.assert_close(got, want.reshape(t, -1), **TOL)
-    assert torch.equal(batch.k_cache, caches[0]) and torch.equal(batch.v_cache, caches[1])
 
 
 def test_other_float16_pairings_run_the_torch_backend() -> None:
