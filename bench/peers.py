@@ -103,9 +103,11 @@ def run_pagebus(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[st
 def run_pagebus_batch(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[str, Any]:
     """The offline prompts LLM.generate timed, through `pagebus run-batch`; its time is run-batch's
     own summary line (engine start-up and shutdown excluded, reported as process_s)."""
+    # no prefix caching, as pagebus_generate and the peers: the process split compares like with like
     opts = argparse.Namespace(
-        dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None, kv_cache_dtype=kv_cache_dtype
-    )
+        dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None, kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=False,
+    )  # fmt: skip
     by_size = {}
     for n, _, timed in offline_plan(job["offline_sizes"]):
         work = [(p, job["output_len"]) for p in variant(job["prompts"][:n], timed)]

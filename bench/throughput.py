@@ -91,6 +91,8 @@ def run_batch(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
         ]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         cmd += ["--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
+        if not getattr(args, "enable_prefix_caching", True):
+            cmd += ["--no-enable-prefix-caching"]
         cmd += ["--max-inflight", str(args.max_inflight)] + (["--model", args.model] if args.model else [])
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
