@@ -168,7 +168,7 @@ def measure(
     attention_rows_k = round(best_of(rows_k, reps) * 1e3, 3) if len(k_layout) == 5 else ms["attention"]
     f16: dict[str, float] = {}
     if (
-        dtype is torch.float32 and ops.f16_cache_built()
+        dtype is torch.float32 and ops.f16_built()
     ):  # --kv-cache-dtype float16: the same values, half the bytes
         for w in layers:
             w["k16"], w["v16"] = w["k"].half(), w["v"].half()

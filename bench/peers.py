@@ -66,11 +66,14 @@ TARGET_PROCESS_SPLIT = 0.95
 
 
 # --------------------------------------------------------------------------------------------- pagebus
-def pagebus_generate(dtype: str, kv_cache_dtype: str = "auto") -> tuple[Generate, Any]:
+def pagebus_generate(
+    dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None
+) -> tuple[Generate, Any]:
     from pagebus import LLM, SamplingParams
 
     # as the peers: no cache hits
-    llm = LLM(None, dtype=dtype, seed=0, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(None, dtype=dtype, seed=0, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization)  # fmt: skip
 
     def generate(prompts: list[list[int]], n: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -87,11 +90,13 @@ def _pagebus_version() -> str | None:
         return None
 
 
-def run_pagebus(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[str, Any]:
+def run_pagebus(
+    job: dict[str, Any], dtype: str, kv_cache_dtype: str, quantization: str | None
+) -> dict[str, Any]:
     t = time.perf_counter()
-    generate, llm = pagebus_generate(dtype, kv_cache_dtype)
+    generate, llm = pagebus_generate(dtype, kv_cache_dtype, quantization)
     result = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype,
-              "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
+              "kv_cache_dtype": kv_cache_dtype, "quantization": quantization}  # fmt: skip
     result["load_s"] = round(time.perf_counter() - t, 2)
     try:
         return result | measure(job, generate)
@@ -100,13 +105,15 @@ def run_pagebus(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[st
             llm.shutdown()
 
 
-def run_pagebus_batch(job: dict[str, Any], dtype: str, kv_cache_dtype: str) -> dict[str, Any]:
+def run_pagebus_batch(
+    job: dict[str, Any], dtype: str, kv_cache_dtype: str, quantization: str | None
+) -> dict[str, Any]:
     """The offline prompts LLM.generate timed, through `pagebus run-batch`; its time is run-batch's
     own summary line (engine start-up and shutdown excluded, reported as process_s)."""
     # no prefix caching, as pagebus_generate and the peers: the process split compares like with like
     opts = argparse.Namespace(
         dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None, kv_cache_dtype=kv_cache_dtype,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, quantization=quantization,
     )  # fmt: skip
     by_size = {}
     for n, _, timed in offline_plan(job["offline_sizes"]):
@@ -261,7 +268,7 @@ def targets(
             "compute_ceiling_gflops": round(flops_peak / 1e9, 1),
             "compute_fraction": {k: round(work_flops / t / flops_peak, 3) if t else None for k, t in elapsed.items()},
         }  # fmt: skip
-    same = f"llamacpp_{SAME_PRECISION_GGUF[opts.dtype]}"
+    same = f"llamacpp_{SAME_PRECISION_GGUF[weight_dtype(opts)]}"
     dram = ceil["dram_gb_per_s"] * 1e9
     decode = _tps(pb)
     single = {
@@ -282,6 +289,17 @@ def targets(
     }  # fmt: skip
 
 
+def weight_dtype(opts: argparse.Namespace) -> str:
+    """The dtype pagebus holds its weights in: float16 with --quantization fp16, else --dtype's."""
+    return "float16" if opts.quantization == "fp16" else opts.dtype
+
+
+def pagebus_flags(opts: argparse.Namespace) -> list[str]:
+    """The weight and KV cache options of this run, as `pagebus serve` flags."""
+    flags = ["--kv-cache-dtype", opts.kv_cache_dtype]
+    return flags + (["--quantization", opts.quantization] if opts.quantization else [])
+
+
 def measure_startup(opts: argparse.Namespace, runs: int) -> dict[str, Any]:
     """`pagebus serve` on the default model from exec to its first answer, `runs` times (the first
     may read the model from disk, later ones from the page cache); the split it logs each time."""
@@ -289,7 +307,7 @@ def measure_startup(opts: argparse.Namespace, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="startup.") as d:
         for i in range(runs):
             port = free_port()
-            cmd = serve_peers.pagebus_cmd(opts.dtype, port, [])
+            cmd = serve_peers.pagebus_cmd(opts.dtype, port, pagebus_flags(opts))
             try:
                 srv = serve_peers.start_server(f"pagebus_{i}", cmd, None, port, Path(d), 600.0)
             except RuntimeError as e:
@@ -355,6 +373,9 @@ def parse_args() -> argparse.Namespace:
                     help="pagebus's, HF's and vLLM's dtype; auto: bfloat16 where native, else float32")  # fmt: skip
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16"),
                     help="pagebus's KV cache (float16: llama.cpp's default KV type, half a float32 cache)")  # fmt: skip
+    ap.add_argument("--quantization", default=None, choices=("fp16",),
+                    help="pagebus's weights (fp16: float16 weights, float32 arithmetic, llama.cpp's F16; "
+                    "single stream is then compared with llama.cpp's F16 GGUF)")  # fmt: skip
     ap.add_argument("--llamacpp-formats", nargs="+", default=None,
                     help="GGUFs to run (f32 f16 bf16 q8_0 q4_1); default: those worth trying here")  # fmt: skip
     ap.add_argument("--llamacpp-n-batch", type=int, default=2048, help="tokens per llama_decode call")
@@ -373,6 +394,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     args.requested_dtype = args.dtype
     args.dtype = pick_dtype(args.dtype)
+    args.pagebus_flags = pagebus_flags(args) + args.pagebus_flags  # served as run offline
     args.bf16_native = ceilings.native_bf16(ceilings.cpu_info()["flags"])
     longest = max(args.input_len + args.output_len, args.single_input_len + args.single_output_len)
     args.ctx_per_seq = max(args.ctx_per_seq, -(-longest // 256) * 256)
@@ -383,7 +405,7 @@ def main() -> None:
     setup_logging()
     args = parse_args()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    model = model_facts(args.dtype)
+    model = model_facts(weight_dtype(args))
     log.info("ceilings (%.1f s each)", args.ceiling_seconds)
     # bf16 only where it is native: torch emulates it elsewhere, ~100x slower (minutes per product)
     dtypes = tuple(dict.fromkeys(("float32", args.dtype, *(("bfloat16",) if args.bf16_native else ()))))
@@ -400,7 +422,7 @@ def main() -> None:
     log.info("pagebus (%s): %s x %d in x %d out", args.dtype, sizes, args.input_len, args.output_len)
     try:
         engines["pagebus"] = {"loadavg_1m_at_start": _load()} | run_pagebus(
-            job, args.dtype, args.kv_cache_dtype
+            job, args.dtype, args.kv_cache_dtype, args.quantization
         )
     except Exception as e:  # still report the peers
         log.exception("pagebus failed")
@@ -409,7 +431,7 @@ def main() -> None:
         load = _load()
         try:
             engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | run_pagebus_batch(
-                job, args.dtype, args.kv_cache_dtype
+                job, args.dtype, args.kv_cache_dtype, args.quantization
             )
         except Exception as e:
             log.exception("run-batch failed")

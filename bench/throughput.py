@@ -46,7 +46,7 @@ def run_llm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict
 
     llm = LLM(
         args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=getattr(args, "quantization", None),
     )  # fmt: skip
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": ids} for ids, _ in work[:2]], warm, use_tqdm=False)
@@ -91,6 +91,8 @@ def run_batch(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
         ]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         cmd += ["--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
+        if getattr(args, "quantization", None):
+            cmd += ["--quantization", args.quantization]
         if not getattr(args, "enable_prefix_caching", True):
             cmd += ["--no-enable-prefix-caching"]
         cmd += ["--max-inflight", str(args.max_inflight)] + (["--model", args.model] if args.model else [])
@@ -119,6 +121,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-dtype", default="auto", help="pagebus's --kv-cache-dtype")
+    ap.add_argument("--quantization", default=None, help="pagebus's --quantization (e.g. fp16)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

@@ -23,8 +23,9 @@ ExecutorBackend = Literal["mp", "ray"]
 # gguf: a GGUF file's blocks stay packed (Q4_0/Q4_1/Q8_0); int8: weight-only, per channel, made
 # at load from any float checkpoint; gptq/awq: 4-bit (GPTQ also 8-bit) safetensors checkpoints,
 # detected from config.json's quantization_config when not given; fp8: e4m3 weights with per-row
-# scales, from an fp8 checkpoint (detected too) or made at load; none: dequantized at load
-Quantization = Literal["gguf", "int8", "gptq", "awq", "fp8", "none"]
+# scales, from an fp8 checkpoint (detected too) or made at load; fp16: float16 weights made at load,
+# multiplied in float32 (llama.cpp's F16); none: dequantized at load
+Quantization = Literal["gguf", "int8", "gptq", "awq", "fp8", "fp16", "none"]
 # The paged KV cache's element type (vLLM's names): auto is the model dtype; fp8 and fp8_e4m3 store
 # e4m3 with a per-layer scale for K and for V (kernels/fp8.py)
 KVCacheDtype = Literal["auto", "float16", "fp8", "fp8_e4m3"]

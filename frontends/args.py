@@ -19,6 +19,11 @@ _HELP = {
     "num_kv_blocks": "exact number of KV blocks (overrides the memory budget)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "attention_backend": "auto: Triton on CUDA, cpu (compiled ops; torch if they cannot be built) on CPU",
+    "quantization": (
+        "how weights are held: gguf (a GGUF's blocks kept packed), int8/fp8/fp16 (made at load; fp16: float16 "
+        "weights, float32 arithmetic, half the bytes a decode step reads), gptq/awq (as the checkpoint); "
+        "none: the model dtype (default: the checkpoint's declared format, else none)"
+    ),
     "kv_cache_dtype": (
         "auto: the model dtype; float16: half the bytes of a float32 cache (AVX2 CPUs run float32); "
         "fp8/fp8_e4m3: e4m3 cache, half the bytes of bf16"

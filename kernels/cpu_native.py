@@ -74,7 +74,7 @@ def native_cache(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         and k_cache.dim() == 4
         and k_cache.shape[1] == 16
         and k_cache.shape[3] in (64, 128)
-        and native_ops().f16_cache_built()
+        and native_ops().f16_built()
     )
 
 
@@ -425,18 +425,21 @@ def _tile_rows() -> range:
     return range(1, min(native_ops().max_tile_rows(), 1 << 62) + 1)
 
 
-def pack_linear(w: torch.Tensor) -> torch.Tensor | None:
+def pack_linear(w: torch.Tensor, half: bool = False) -> torch.Tensor | None:
     """A CPU weight [N, K] as column tiles: float32 [N / TILE, K, TILE], bfloat16 [N / TILE,
     K / 2, TILE, 2]; None when this machine or shape cannot use them (no AVX-512 or AVX2 + FMA
     build, or no AVX-512 BF16 one for bfloat16; N not a multiple of TILE; an odd K in bfloat16;
-    another dtype)."""
+    another dtype). half: a float32 weight rounded to float16 tiles [N / TILE, K, TILE], which
+    multiply float32 x (--quantization fp16; a build with F16C or AVX-512)."""
     if w.dtype not in _DTYPES or not w.is_cpu or w.dim() != 2 or available() is not None:
         return None
     ops = native_ops()
     if w.shape[0] % ops.TILE or not ops.tiles_built():
         return None
-    if w.dtype is torch.bfloat16 and (w.shape[1] % 2 or not ops.bf16_tiles_built()):
+    if w.dtype is torch.bfloat16 and (half or w.shape[1] % 2 or not ops.bf16_tiles_built()):
         return None
+    if half:
+        return ops.pack_tiles(w.to(torch.float16)) if ops.f16_built() else None
     return ops.pack_tiles(w)
 
 
@@ -454,7 +457,7 @@ def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     m = x2.shape[0]
     if m == 0:
         y = x2.new_empty(0, n)
-    elif m in _tile_rows() or tiles.dim() == 4:
+    elif m in _tile_rows() or tiles.dtype is not torch.float32:
         y = native_ops().linear_tiles(x2 if x2.stride(1) == 1 else x2.contiguous(), tiles)
     else:  # [T, M, K] @ [T, K, TILE] -> [T, M, TILE] -> [M, T * TILE]
         y = torch.bmm(x2.unsqueeze(0).expand(tiles.shape[0], m, k), tiles).transpose(0, 1).reshape(m, n)
@@ -471,7 +474,7 @@ def direct_linear_tiles(
     if bias is not None:
         return lambda x: linear_tiles(x, tiles, bias)
     kernel = native_ops().linear_tiles
-    rows = range(1, 1 << 62) if tiles.dim() == 4 else _tile_rows()
+    rows = range(1, 1 << 62) if tiles.dtype is not torch.float32 else _tile_rows()
 
     def call(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] in rows and x.is_contiguous():
@@ -493,10 +496,12 @@ def decode_stack(heads: int, kv_heads: int, scale: float, eps: float) -> Any:
 
 
 def embed_tiles(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the [N, K] matrix held as tiles (a tied embedding's lookup)."""
+    """Rows `ids` of the [N, K] matrix held as tiles (a tied embedding's lookup; float16 tiles'
+    rows widened to the float32 they multiply)."""
     tile = tiles.shape[2]
     flat = ids.reshape(-1)
-    return tiles[flat // tile, :, flat % tile].reshape(*ids.shape, _tiles_n_k(tiles)[1])
+    rows = tiles[flat // tile, :, flat % tile].reshape(*ids.shape, _tiles_n_k(tiles)[1])
+    return rows.float() if rows.dtype is torch.float16 else rows
 
 
 def main() -> int:

@@ -184,8 +184,9 @@ torch::ScalarType check_dtype(std::initializer_list<const torch::Tensor*> ts, co
     __VA_ARGS__;                            \
   }
 
-// Whether this build reads and writes float16 caches beside float32 activations.
-bool f16_cache_built() {
+// Whether this build holds float16 beside float32 activations: KV caches it reads and writes
+// (--kv-cache-dtype float16) and weight tiles it multiplies (--quantization fp16).
+bool f16_built() {
 #ifdef PAGEBUS_F16
   return true;
 #else
@@ -200,7 +201,7 @@ bool check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, to
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == ct, what,
               ": K and V caches must be CPU tensors of one dtype");
   if (ct == st) return false;
-  TORCH_CHECK(ct == torch::kHalf && st == torch::kFloat32 && f16_cache_built(), what,
+  TORCH_CHECK(ct == torch::kHalf && st == torch::kFloat32 && f16_built(), what,
               ": caches must have the activations' dtype, or float16 beside float32 (on CPUs with F16C)");
   return true;
 }
@@ -1800,7 +1801,7 @@ constexpr int64_t kTileVecs = 3, kRowBlock = 8, kFewRows = 4;
 #else
 constexpr int64_t kTileVecs = 2, kRowBlock = 6, kFewRows = 2;
 #endif
-constexpr int64_t kTile = kLanes * kTileVecs, kStepBytes = 4 * kLanes * kTileVecs;
+constexpr int64_t kTile = kLanes * kTileVecs;
 
 torch::Tensor pack_tiles(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % kTile == 0, "pack_tiles: [N, K] with N a multiple of ", kTile);
@@ -1823,6 +1824,9 @@ struct TileStep<float> {
   static constexpr int64_t kStep = 1;
   static vf bcast(const float* x, int64_t s) { return vset1(x[s]); }
   static vf load(const float* w) { return vload(w); }
+#ifdef PAGEBUS_F16
+  static vf load(const f16* w) { return vload(w); }  // float16 tiles: widened exactly (F16C)
+#endif
   static vf madd(vf acc, vf x, vf w) { return vfmadd(x, w, acc); }
   static void store(float* y, vf acc) { vstore(y, acc); }
 };
@@ -1849,9 +1853,9 @@ struct TileStep<bf16> {
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
-template <typename T, int MR>
-static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, T* __restrict__ y,
-                             int64_t ldy, int64_t steps, const T* pf, int64_t pf_lines) {
+template <typename T, int MR, typename W = T>
+static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const W* __restrict__ w, T* __restrict__ y,
+                             int64_t ldy, int64_t steps, const void* pf, int64_t pf_lines) {
   using S = TileStep<T>;
   constexpr int64_t E = kTile * S::kStep;  // elements of a tile per step
   vf acc[MR][kTileVecs];
@@ -1874,9 +1878,9 @@ static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const T* __re
 
 // Up to kFewRows rows of x against two tiles at once: two independent streams from memory, for the
 // GEMV-like calls (decode of one or a few sequences) that wait on DRAM, not on FMAs.
-template <typename T, int MR>
-static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const T* __restrict__ wa,
-                             const T* __restrict__ wb, T* __restrict__ ya, T* __restrict__ yb, int64_t ldy,
+template <typename T, int MR, typename W = T>
+static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const W* __restrict__ wa,
+                             const W* __restrict__ wb, T* __restrict__ ya, T* __restrict__ yb, int64_t ldy,
                              int64_t steps) {
   using S = TileStep<T>;
   constexpr int64_t E = kTile * S::kStep;
@@ -1901,26 +1905,26 @@ static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const T* __re
     }
 }
 
-template <typename T>
-static void few_rows(int64_t m, const T* x, int64_t ldx, const T* wa, const T* wb, T* ya, T* yb, int64_t ldy,
+template <typename T, typename W>
+static void few_rows(int64_t m, const T* x, int64_t ldx, const W* wa, const W* wb, T* ya, T* yb, int64_t ldy,
                      int64_t steps) {
   switch (m) {
 #define ROWS(R)                                                             \
   case R:                                                                   \
-    if constexpr (R <= kFewRows) two_tiles<T, R>(x, ldx, wa, wb, ya, yb, ldy, steps); \
+    if constexpr (R <= kFewRows) two_tiles<T, R, W>(x, ldx, wa, wb, ya, yb, ldy, steps); \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
   }
 }
 
-template <typename T>
-static void row_block(int64_t m, const T* x, int64_t ldx, const T* w, T* y, int64_t ldy, int64_t steps, const T* pf,
+template <typename T, typename W>
+static void row_block(int64_t m, const T* x, int64_t ldx, const W* w, T* y, int64_t ldy, int64_t steps, const void* pf,
                       int64_t pf_lines) {
   switch (m) {
 #define ROWS(R)                                                                       \
   case R:                                                                             \
-    if constexpr (R <= kRowBlock) tile_rows<T, R>(x, ldx, w, y, ldy, steps, pf, pf_lines); \
+    if constexpr (R <= kRowBlock) tile_rows<T, R, W>(x, ldx, w, y, ldy, steps, pf, pf_lines); \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
@@ -1934,9 +1938,11 @@ constexpr int64_t kClaimsPerThread = 8;
 // x [M, K] times the tiles -> y [M, N]. Up to kFewRows rows: tiles in pairs (t, t + half), two
 // streams, an odd count's last tile alone. More: row blocks of kRowBlock go through the multiply-adds
 // against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
-// per block, so reading W overlaps the arithmetic on the one before.
-template <typename T>
-static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M, int64_t K, int64_t NT) {
+// per block, so reading W overlaps the arithmetic on the one before. W: the tiles' element type:
+// T, or float16 beside float32 x, widened as each vector loads (F16C's conversion runs beside the
+// FMAs; widening each tile once into a float32 buffer instead was 4-13% slower at 4-64 rows).
+template <typename T, typename W = T>
+static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M, int64_t K, int64_t NT) {
   const int64_t N = NT * kTile, steps = K / TileStep<T>::kStep, tile_elems = K * kTile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   if (M <= kFewRows) {
@@ -1945,10 +1951,10 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
     for_each_claim((pairs + g - 1) / g, [&](int64_t c, int64_t) {
       for (int64_t p = c * g; p < std::min(pairs, (c + 1) * g); ++p) {
         if (p < half)
-          few_rows<T>(M, xp, ldx, w + p * tile_elems, w + (p + half) * tile_elems, yp + p * kTile,
-                      yp + (p + half) * kTile, N, steps);
+          few_rows<T, W>(M, xp, ldx, w + p * tile_elems, w + (p + half) * tile_elems, yp + p * kTile,
+                         yp + (p + half) * kTile, N, steps);
         else
-          row_block<T>(M, xp, ldx, w + (NT - 1) * tile_elems, yp + (NT - 1) * kTile, N, steps, nullptr, 0);
+          row_block<T, W>(M, xp, ldx, w + (NT - 1) * tile_elems, yp + (NT - 1) * kTile, N, steps, nullptr, 0);
       }
     });
     return;
@@ -1958,7 +1964,7 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
   // tiles come again from further out, once per chunk (at 2048 rows x read afresh for every
   // tile was L3 traffic the arithmetic waited on).
   const int64_t chunk = std::max<int64_t>(64, (393216 / (K * static_cast<int64_t>(sizeof(T)))) / kRowBlock * kRowBlock);
-  constexpr int64_t E = kTile * TileStep<T>::kStep;
+  constexpr int64_t E = kTile * TileStep<T>::kStep, step_bytes = E * static_cast<int64_t>(sizeof(W));
   // claims of g tiles of one row chunk, chunk by chunk: both threads work in the same chunk at a time
   const int64_t g = std::max<int64_t>(1, NT / (kClaimsPerThread * threads)), per_chunk = (NT + g - 1) / g;
   const int64_t chunks = (M + chunk - 1) / chunk;
@@ -1967,16 +1973,16 @@ static void tiles_kernel(const T* xp, int64_t ldx, const T* w, T* yp, int64_t M,
     const int64_t rows = std::min(chunk, M - r0);
     const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock, slice = (steps + blocks - 1) / blocks;
     for (int64_t t = t0; t < t1; ++t) {
-      const T* wt = w + t * tile_elems;
+      const W* wt = w + t * tile_elems;
       // the tile after this one: the next of this claim, or the first of this thread's next claim
-      const T* nt = t + 1 < t1                       ? wt + tile_elems
+      const W* nt = t + 1 < t1                       ? wt + tile_elems
                     : after < chunks * per_chunk ? w + (after % per_chunk * g) * tile_elems
                                                    : nullptr;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t s0 = b * slice, pf = nt != nullptr ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
         const int64_t r = r0 + b * kRowBlock;
-        row_block<T>(std::min(kRowBlock, rows - b * kRowBlock), xp + r * ldx, ldx, wt, yp + r * N + t * kTile, N,
-                     steps, nt != nullptr ? nt + s0 * E : nullptr, pf * (kStepBytes / 64));
+        row_block<T, W>(std::min(kRowBlock, rows - b * kRowBlock), xp + r * ldx, ldx, wt, yp + r * N + t * kTile, N,
+                        steps, nt != nullptr ? nt + s0 * E : nullptr, (pf * step_bytes + 63) / 64);
       }
     }
   });
@@ -2107,7 +2113,11 @@ bool bf16_tiles_built() {
 
 // x [M, K] (rows contiguous) times `pack_tiles` tiles -> [M, N], in the tiles' dtype.
 torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
-  const auto st = check_dtype({&x, &tiles}, "linear_tiles");
+  // float16 tiles (--quantization fp16) beside float32 x; else tiles of x's dtype
+  const bool h = tiles.scalar_type() == torch::kHalf;
+  const auto st = h ? check_dtype({&x}, "linear_tiles") : check_dtype({&x, &tiles}, "linear_tiles");
+  TORCH_CHECK(!h || (st == torch::kFloat32 && tiles.device().is_cpu() && f16_built()),
+              "linear_tiles: float16 tiles need float32 x and a build with F16C or AVX-512");
   const bool b16 = st == torch::kBFloat16;
   TORCH_CHECK(!b16 || bf16_tiles_built(), "linear_tiles: bfloat16 tiles need an AVX-512 BF16 build");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiles.is_contiguous() && tiles.dim() == (b16 ? 4 : 3) &&
@@ -2136,6 +2146,12 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
 #endif
   if (b16) {
     tiles_kernel<bf16>(x.data_ptr<bf16>(), x.stride(0), tiles.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, NT);
+    return y;
+  }
+#endif
+#ifdef PAGEBUS_F16
+  if (h) {
+    tiles_kernel<float, f16>(x.data_ptr<float>(), x.stride(0), tiles.data_ptr<f16>(), y.data_ptr<float>(), M, K, NT);
     return y;
   }
 #endif
@@ -2171,7 +2187,7 @@ int64_t max_tile_rows() {
 torch::Tensor tiles_matmul(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
   const auto& tiles = w[0];
   const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
-  if (M <= max_tile_rows() || tiles.dim() == 4) return linear_tiles(x, tiles);  // bf16: tiles at every M
+  if (M <= max_tile_rows() || tiles.scalar_type() != torch::kFloat32) return linear_tiles(x, tiles);  // bf16, f16: tiles at every M
   return at::bmm(x.unsqueeze(0).expand({NT, M, K}), tiles).transpose(0, 1).reshape({M, NT * kTile});
 }
 
@@ -2254,7 +2270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "paged causal attention of the prefill chunks (False: not taken)");
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
-  m.def("f16_cache_built", &f16_cache_built, "whether float16 caches beside float32 activations are compiled in");
+  m.def("f16_built", &f16_built, "whether float16 caches and weight tiles beside float32 activations are compiled in");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
   // module_local: two builds (an A/B of kernels) can be loaded in one process
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())

@@ -34,10 +34,11 @@ def _bf16_built() -> bool:
 
 
 def _f16_built() -> bool:
-    return native.available() is None and native.native_ops().f16_cache_built()
+    return native.available() is None and native.native_ops().f16_built()
 
 
-_NO_F16 = "float16 caches need the compiled ops with F16C or AVX-512"
+_NO_F16 = "float16 caches and weight tiles need the compiled ops with F16C or AVX-512"
+F16_TILES = pytest.mark.skipif(not _f16_built(), reason=_NO_F16)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -281,21 +282,30 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(monkeypatch, tmp_pa
     assert "did not finish" in caplog.text
 
 
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 160, 161, 300])
 @pytest.mark.parametrize(("n", "k"), [(96, 576), (48, 70), (144, 1536)])
-def test_linear_on_column_tiles(rows: int, n: int, k: int) -> None:
+def test_linear_on_column_tiles(rows: int, n: int, k: int, half: bool) -> None:
     """Every path: a few rows (tiles in pairs, an odd tile count's last one alone: up to 4 rows
     on AVX-512, 2 on AVX2), row blocks (8 rows on AVX-512, 6 on AVX2) with the next tile
-    prefetched and the batched GEMM above 160 on Intel CPUs; K not a multiple of the vector
-    width; a bias; rows of x that are a strided view."""
+    prefetched and the batched GEMM above 160 on Intel CPUs (float32 tiles); K not a multiple of
+    the vector width; a bias; rows of x that are a strided view. half: float16 tiles of the
+    float32 weight (--quantization fp16), which multiply exactly the float32 matmul of the
+    weight rounded to float16 (each value widened exactly; float32 sums)."""
     g = torch.Generator().manual_seed(rows * n + k)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     x = torch.randn(rows, 2 * k, generator=g)[:, :k]
-    tiles, tile = native.pack_linear(w), native.native_ops().TILE
+    tiles, tile = native.pack_linear(w, half=half), native.native_ops().TILE
     assert tiles is not None and tiles.shape == (n // tile, k, tile)
-    want = torch.nn.functional.linear(x, w, b)
-    torch.testing.assert_close(native.linear_tiles(x, tiles, b), want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(native.linear_tiles(x.unsqueeze(0), tiles)[0], want - b, atol=1e-4, rtol=1e-4)
+    assert tiles.dtype is (torch.float16 if half else torch.float32)
+    wv = w.half().double() if half else w.double()
+    want = torch.nn.functional.linear(x.double(), wv, b.double())
+    # float32 sums in another order than float64's: a few ulps of the magnitudes summed
+    bound = 1e-5 + 4e-7 * (x.double().abs() @ wv.abs().t() + b.double().abs())
+    assert bool(((native.linear_tiles(x, tiles, b).double() - want).abs() <= bound).all())
+    assert bool(
+        ((native.linear_tiles(x.unsqueeze(0), tiles)[0].double() - (want - b.double())).abs() <= bound).all()
+    )
 
 
 BF16_TILES = pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)
@@ -339,14 +349,28 @@ def test_tiles_are_refused_where_they_do_not_fit() -> None:
     assert native.pack_linear(torch.randn(50, 64)) is None  # N not a multiple of the tile
     assert native.pack_linear(torch.randn(48, 63, dtype=torch.bfloat16)) is None  # odd K: no k pairs
     assert native.pack_linear(torch.randn(48, 64, dtype=torch.float16)) is None
+    assert native.pack_linear(torch.randn(48, 64, dtype=torch.bfloat16), half=True) is None
+    with pytest.raises(RuntimeError, match="float16 tiles need float32 x"):
+        native.native_ops().linear_tiles(
+            torch.randn(2, 64).bfloat16(), native.pack_linear(torch.randn(48, 64)).half()
+        )
     if not native.native_ops().bf16_tiles_built():
         assert native.pack_linear(torch.randn(48, 64, dtype=torch.bfloat16)) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_TILES)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(torch.bfloat16, marks=BF16_TILES),
+        pytest.param(torch.float16, marks=F16_TILES),
+    ],
+)
 def test_embedding_rows_from_tiles(dtype: torch.dtype) -> None:
-    w = torch.randn(96, 40).to(dtype)
-    tiles = native.pack_linear(w)
+    """float16: float16 tiles of a float32 matrix give its rounded rows, widened back to float32."""
+    w = torch.randn(96, 40)
+    tiles = native.pack_linear(w, half=True) if dtype is torch.float16 else native.pack_linear(w.to(dtype))
     assert tiles is not None
     ids = torch.tensor([[0, 47, 48], [95, 3, 3]])
-    assert torch.equal(native.embed_tiles(tiles, ids), torch.nn.functional.embedding(ids, w))
+    want = torch.nn.functional.embedding(ids, w.to(dtype))
+    assert torch.equal(native.embed_tiles(tiles, ids), want.float() if dtype is torch.float16 else want)

@@ -21,7 +21,7 @@ PROMPTS = {
 }
 
 pytestmark = pytest.mark.skipif(
-    native.available() is not None or not native.native_ops().f16_cache_built(),
+    native.available() is not None or not native.native_ops().f16_built(),
     reason="float16 caches need the compiled ops with F16C or AVX-512",
 )
 

@@ -11,7 +11,7 @@ from pagebus.workers.layers.quant.base import LinearMethodFactory
 # Formats a checkpoint's config.json can declare (quantization_config.quant_method) that we serve.
 CHECKPOINT_METHODS = ("gptq", "awq", "fp8")
 # Formats made at load from any float checkpoint (fp8 also loads as a checkpoint ships it).
-MADE_AT_LOAD = ("int8", "fp8")
+MADE_AT_LOAD = ("int8", "fp8", "fp16")
 
 
 # Older AutoGPTQ / AutoAWQ directories keep the settings in a file of their own, without
@@ -44,7 +44,7 @@ def checkpoint_quant_config(path: str) -> dict[str, Any] | None:
 
 
 def resolve(quantization: str | None, is_gguf: bool, checkpoint: dict[str, Any] | None = None) -> str:
-    """The format the weights are held in: "gguf" (packed blocks), "int8", "fp8", "gptq", "awq"
+    """The format the weights are held in: "gguf" (packed blocks), "int8", "fp8", "fp16", "gptq", "awq"
     (packed as stored) or "none" (float). `checkpoint`: its quantization_config; as in vLLM, a declared
     format is used when the flag is absent, and the flag must name it when given."""
     found = checkpoint.get("quant_method") if checkpoint else None
@@ -71,7 +71,7 @@ def resolve(quantization: str | None, is_gguf: bool, checkpoint: dict[str, Any] 
         raise ValueError("--quantization gguf needs a .gguf file; this checkpoint is not one")
     if quantization not in ("gguf", *MADE_AT_LOAD, "none"):
         raise ValueError(
-            f"--quantization {quantization!r} is not supported (gguf, int8, fp8, gptq, awq, none)"
+            f"--quantization {quantization!r} is not supported (gguf, int8, fp8, fp16, gptq, awq, none)"
         )
     return quantization
 
@@ -85,6 +85,10 @@ def factory(resolved: str, checkpoint: dict[str, Any] | None = None) -> LinearMe
         from pagebus.workers.layers.quant.gguf import Int8LinearMethod
 
         return lambda layer: Int8LinearMethod()
+    if resolved == "fp16":
+        from pagebus.workers.layers.quant.fp16 import Fp16LinearMethod
+
+        return lambda layer: Fp16LinearMethod()
     if resolved == "fp8":
         from pagebus.workers.layers.quant.fp8 import fp8_factory
 
