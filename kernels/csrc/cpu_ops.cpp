@@ -482,8 +482,9 @@ inline void group_dots(const float* __restrict__ q, const float* __restrict__ k,
   for (int64_t hh = 0; hh < group; ++hh) scores[hh * stride] = dot(q + hh * d, k, d) * sc;
 }
 
-// Softmax of each of the h rows of L scores, in place (float32, max-subtracted).
-inline void softmax_rows(float* sp, int64_t h, int64_t L) {
+// Softmax of each of the h rows of L scores, in place (float32, max-subtracted); stats (if set):
+// each row's max and exp sum, stats[2 * row] and stats[2 * row + 1].
+inline void softmax_rows(float* sp, int64_t h, int64_t L, float* stats = nullptr) {
   for (int64_t hh = 0; hh < h; ++hh) {
     float* __restrict__ s = sp + hh * L;
     float m = -std::numeric_limits<float>::infinity();
@@ -504,6 +505,7 @@ inline void softmax_rows(float* sp, int64_t h, int64_t L) {
       s[j] = fast_exp(s[j] - m);
       total += s[j];
     }
+    if (stats != nullptr) stats[2 * hh] = m, stats[2 * hh + 1] = total;
     const float inv = 1.0f / total;
 #pragma omp simd
     for (int64_t j = 0; j < L; ++j) s[j] *= inv;
@@ -569,16 +571,20 @@ inline void vstore_first(float* p, vf v, int64_t n) {
 // it can prefetch for it). A thread slowed by another process (the engine's scheduler and
 // frontends share the cores) takes fewer claims, where a fixed share per thread kept the others
 // waiting for it at the region's end (the tile matmul, decode attention: see there what it gave).
+// Thread i starts on claim i: taking its first claim from the counter too, the first thread to
+// arrive held two (its own and the one ahead) while the others were still waking, so 2 claims on
+// 2 threads (two decodes, or a single stream's keys in two runs) ran on one.
 template <typename F>
 static void for_each_claim(int64_t n, F&& f) {
-  std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n;) {
-      const int64_t after = std::min(n, next.fetch_add(1, std::memory_order_relaxed));
-      f(c, after);
-      c = after;
-    }
+  std::atomic<int64_t> next{threads};
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t first = t0; first < t1; ++first)  // one claim each, unless fewer threads came
+      for (int64_t c = first; c < n;) {
+        const int64_t after = std::min(n, next.fetch_add(1, std::memory_order_relaxed));
+        f(c, after);
+        c = after;
+      }
   });
 }
 
@@ -860,6 +866,10 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
 // time (block_scores) and the V sums in registers (heads_times_v), rounded once into `out`. At
 // 32 sequences of ~200 tokens this halved attention's share of a float32 step (AVX-512).
 // C: the caches' type, T's or float16 beside float32 activations.
+// Blocks of keys below which a decode's context is not split across threads (the merge and a
+// second pass's start cost more than half of so few keys).
+constexpr int64_t kMinSplitBlocks = 4;
+
 template <int NV, typename T, typename C = T>
 void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, const C* vc, int64_t s0, int64_t s1,
                       int64_t s2, const int32_t* btp, int64_t width, const int32_t* lp, const int32_t* qp0, int64_t B,
@@ -868,42 +878,88 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, 
   // query heads per pass over V: their sums and a V row in registers (32 on AVX-512, 16 on AVX2)
   constexpr int HC = kLanes == 16 ? (NV <= 4 ? 3 : 2) : 1;
   const int64_t group = h / kvh;
-  // a sequence a claim: their lengths differ, so fixed shares by count would not be even
-  for_each_claim(B, [&](int64_t b, int64_t) {
-    if (qp0[b + 1] - qp0[b] != 1) return;
+  // Sequence b's keys [j_lo, j_hi) (a run of whole blocks but the last): scores, softmax and
+  // P . V of every head into out (h x d, heads adjacent); stats (if set): each head's score max
+  // and exp sum over the range, for merging ranges.
+  auto attend = [&](int64_t b, int64_t j_lo, int64_t j_hi, auto* out, float* stats) {
     thread_local std::vector<float> scores, qbuf;
-    {
-      const int64_t t = qp0[b], L = lp[b];
-      scores.resize(static_cast<size_t>(h * L));
-      qbuf.resize(static_cast<size_t>(h * d));
-      float* sp = scores.data();
-      const int32_t* table = btp + b * width;
-      const float* qt = as_f32(qp + t * qs, h * d, qbuf.data());  // heads adjacent
-      for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const int64_t n = std::min(bs, L - j0);
-        const C* kb = kc + table[j0 / bs] * s0;
-        // K rows of every KV head ahead, as for V (heads_times_v), a few tokens per head scored
-        const int64_t row_bytes = kvh * d * static_cast<int64_t>(sizeof(C));
-        for (int64_t hh = 0; hh < h; ++hh) {
-          for (int64_t ahead = j0 == 0 ? 1 : 2; ahead <= 2; ++ahead) {
-            if (j0 + ahead * bs >= L) break;
-            const C* next = kc + table[j0 / bs + ahead] * s0;
-            for (int64_t o = hh; o < bs; o += h) prefetch_row(next + o * s1, row_bytes);
-          }
-          block_scores<NV>(qt + hh * d, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
+    const int64_t t = qp0[b], L = j_hi - j_lo;
+    scores.resize(static_cast<size_t>(h * L));
+    qbuf.resize(static_cast<size_t>(h * d));
+    float* sp = scores.data();
+    const int32_t* table = btp + b * width + j_lo / bs;
+    const float* qt = as_f32(qp + t * qs, h * d, qbuf.data());  // heads adjacent
+    for (int64_t j0 = 0; j0 < L; j0 += bs) {
+      const int64_t n = std::min(bs, L - j0);
+      const C* kb = kc + table[j0 / bs] * s0;
+      // K rows of every KV head ahead, as for V (heads_times_v), a few tokens per head scored
+      const int64_t row_bytes = kvh * d * static_cast<int64_t>(sizeof(C));
+      for (int64_t hh = 0; hh < h; ++hh) {
+        for (int64_t ahead = j0 == 0 ? 1 : 2; ahead <= 2; ++ahead) {
+          if (j0 + ahead * bs >= L) break;
+          const C* next = kc + table[j0 / bs + ahead] * s0;
+          for (int64_t o = hh; o < bs; o += h) prefetch_row(next + o * s1, row_bytes);
         }
-      }
-      softmax_rows(sp, h, L);
-      T* ot = op0 + t * os;
-      for (int64_t g = 0; g < kvh; ++g) {
-        const C* vg = vc + g * s2;
-        int64_t hh = g * group;
-        const int64_t end = hh + group;
-        for (; hh + HC <= end; hh += HC) heads_times_v<NV, HC>(sp + hh * L, L, vg, table, s0, s1, bs, ot + hh * d, d);
-        for (; hh < end; ++hh) heads_times_v<NV, 1>(sp + hh * L, L, vg, table, s0, s1, bs, ot + hh * d, d);
+        block_scores<NV>(qt + hh * d, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
       }
     }
+    softmax_rows(sp, h, L, stats);
+    for (int64_t g = 0; g < kvh; ++g) {
+      const C* vg = vc + g * s2;
+      int64_t hh = g * group;
+      const int64_t end = hh + group;
+      for (; hh + HC <= end; hh += HC) heads_times_v<NV, HC>(sp + hh * L, L, vg, table, s0, s1, bs, out + hh * d, d);
+      for (; hh < end; ++hh) heads_times_v<NV, 1>(sp + hh * L, L, vg, table, s0, s1, bs, out + hh * d, d);
+    }
+  };
+  // Fewer decodes than threads (a single stream): each sequence's keys split into `parts` runs of
+  // whole blocks, one claim each, merged by their softmax stats (flash-decoding), so a long
+  // context's attention does not run on one thread while the others wait.
+  int64_t decodes = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (qp0[b + 1] - qp0[b] == 1) ++decodes, longest = std::max<int64_t>(longest, lp[b]);
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (std::is_same<T, float>::value && decodes > 0 && decodes < threads)
+    parts = std::min({(threads + decodes - 1) / decodes, (longest + bs - 1) / bs / kMinSplitBlocks, int64_t{64}});
+  if (parts <= 1) {
+    // a sequence a claim: their lengths differ, so fixed shares by count would not be even
+    for_each_claim(B, [&](int64_t b, int64_t) {
+      if (qp0[b + 1] - qp0[b] == 1) attend(b, 0, lp[b], op0 + qp0[b] * os, nullptr);
+    });
+    return;
+  }
+  std::vector<float> part_out(static_cast<size_t>(B * parts * h * d)), stats(static_cast<size_t>(B * parts * h * 2));
+  for_each_claim(B * parts, [&](int64_t c, int64_t) {
+    const int64_t b = c / parts, p = c % parts, L = lp[b];
+    float* st = stats.data() + c * h * 2;
+    const int64_t per = ((L + bs - 1) / bs + parts - 1) / parts * bs, j_lo = p * per, j_hi = std::min(L, j_lo + per);
+    if (qp0[b + 1] - qp0[b] != 1) return;
+    if (j_lo >= j_hi) {  // a short sequence has fewer runs than parts
+      for (int64_t hh = 0; hh < h; ++hh) st[2 * hh] = -std::numeric_limits<float>::infinity(), st[2 * hh + 1] = 0.f;
+      return;
+    }
+    attend(b, j_lo, j_hi, part_out.data() + c * h * d, st);
   });
+  for (int64_t b = 0; b < B; ++b) {
+    if (qp0[b + 1] - qp0[b] != 1) continue;
+    T* ot = op0 + qp0[b] * os;
+    for (int64_t hh = 0; hh < h; ++hh) {
+      float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, stats[((b * parts + p) * h + hh) * 2]);
+      float w[64];  // parts <= 64
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* st = stats.data() + ((b * parts + p) * h + hh) * 2;
+        w[p] = st[1] > 0.f ? st[1] * std::exp(st[0] - m) : 0.f;
+        total += w[p];
+      }
+      for (int64_t i = 0; i < d; ++i) {
+        float acc = 0.f;
+        for (int64_t p = 0; p < parts; ++p) acc += w[p] * part_out[((b * parts + p) * h + hh) * d + i];
+        ot[hh * d + i] = static_cast<T>(acc / total);
+      }
+    }
+  }
 }
 #endif  // PAGEBUS_SIMD
 

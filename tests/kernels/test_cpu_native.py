@@ -218,6 +218,35 @@ def test_fused_decode_attention_is_the_separate_ops(
     assert torch.equal(batch.k_cache, caches[0]) and torch.equal(batch.v_cache, caches[1])
 
 
+@pytest.mark.parametrize(
+    "cache", ["float32", pytest.param("float16", marks=pytest.mark.skipif(not _f16_built(), reason=_NO_F16))]
+)
+@pytest.mark.parametrize(
+    ("threads", "seqs"),
+    [
+        (2, [(1, 999)]),  # one stream: its keys in two runs of blocks, one a thread
+        (2, [(1, 62)]),  # too few blocks to split
+        (3, [(1, 200), (1, 40)]),  # two runs each, the short one's runs unequal
+        (8, [(1, 1000), (1, 20)]),  # four runs each: the short sequence's last two are empty
+        (2, [(1, 300), (40, 0)]),  # beside a prefill chunk, which stays prefill_attention's
+    ],
+)
+def test_decode_split_across_threads(threads: int, seqs: list[tuple[int, int]], cache: str) -> None:
+    """Fewer decodes than threads: each sequence's keys split into runs of blocks, one a claim,
+    merged by their softmax max and sum, equal to the unsplit attention within float32 rounding."""
+    batch = make_batch(seqs, 9, 3, 64)
+    if cache == "float16":
+        batch.k_cache, batch.v_cache = batch.k_cache.half(), batch.v_cache.half()
+    ref = paged_attention_ref(*batch.args(), 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.paged_attention(*batch.args(), 0.125, max_query_len=max(n for n, _ in seqs))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_fused_decode_attention_declines_prefill_tokens() -> None:
     batch = make_batch(MIXED, 2, 2, 64)
     t = batch.q.shape[0]
