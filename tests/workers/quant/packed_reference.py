@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pagebus.workers.layers.linear import Linear
 from pagebus.workers.layers.quant import cpu_kernels, packed_mm
+from pagebus.workers.layers.quant.base import LinearMethod
 
 
 def int8_grid(x: torch.Tensor) -> torch.Tensor:
@@ -37,3 +39,15 @@ def packed_matmul(x: torch.Tensor, kind: str, tensors: Sequence[torch.Tensor]) -
         return int8_grid(x) @ w.t()
     m = (tensors[2] if len(tensors) > 2 else tensors[1] * -8.0).float().repeat_interleave(32, dim=1)
     return int8_grid(x) @ (w - m).t() + x @ m.t()
+
+
+def loaded_two_shard_linear(method: LinearMethod, rows: int) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A fused Linear (shards of 64 and 32 rows, 320 inputs) loaded through `method` from random
+    weights, with `rows` rows of x: (layer, the float32 weights, x)."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 320, generator=g), torch.randn(rows, 320, generator=g)
+    layer = Linear(320, {"a": 64, "b": 32}, quant_method=method)
+    layer.load_weight(layer.weight, w[:64], "a")
+    layer.load_weight(layer.weight, w[64:], "b")
+    layer.process_after_loading()
+    return layer, w, x

@@ -16,6 +16,7 @@ from pagebus.workers.layers.quant.fp16 import Fp16LinearMethod
 from pagebus.workers.loader import resident_weight_bytes
 
 from tests.workers.oracle import PROMPTS, first_divergence, hf_greedy
+from tests.workers.quant.packed_reference import loaded_two_shard_linear
 
 NEW_TOKENS = 32
 
@@ -31,12 +32,7 @@ def _tiles_built() -> bool:
 def test_fp16_linear_matches_rounded_weights(rows: int, tiles: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not tiles:  # the fallback every other machine and device takes
         monkeypatch.setattr(cpu_native, "pack_linear", lambda w, half=False: None)
-    g = torch.Generator().manual_seed(rows)
-    w, x = torch.randn(96, 320, generator=g), torch.randn(rows, 320, generator=g)
-    layer = Linear(320, {"a": 64, "b": 32}, quant_method=Fp16LinearMethod())
-    layer.load_weight(layer.weight, w[:64], "a")
-    layer.load_weight(layer.weight, w[64:], "b")
-    layer.process_after_loading()
+    layer, w, x = loaded_two_shard_linear(Fp16LinearMethod(), rows)
     assert layer.weight.dtype is torch.float16 and (layer.weight.dim() == 3) is tiles
     assert layer.quant_method.resident_bytes(layer) == 96 * 320 * 2
     wr = w.half().double()

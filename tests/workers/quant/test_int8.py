@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
-from pagebus.workers.layers.linear import Embedding, Linear
+from pagebus.workers.layers.linear import Embedding
 from pagebus.workers.layers.quant.gguf import Int8LinearMethod, _dense
 from pagebus.workers.runner import ModelRunner
 
 from tests.workers.oracle import PROMPTS, prefill_logits
-from tests.workers.quant.packed_reference import packed_matmul
+from tests.workers.quant.packed_reference import loaded_two_shard_linear, packed_matmul
 
 # Measured on the default model's weights (SmolLM2-135M), all 8 prompts (73 positions): top-1
 # agreement 0.986, mean KL 7.0e-3 nats. The test runs the first 4 (its time budget).
@@ -24,12 +24,7 @@ MAX_MEAN_KL = 0.02
 
 @pytest.mark.parametrize("rows", [1, 6, 70])
 def test_int8_linear_matches_dequantized(rows: int) -> None:
-    g = torch.Generator().manual_seed(rows)
-    w, x = torch.randn(96, 320, generator=g), torch.randn(rows, 320, generator=g)
-    layer = Linear(320, {"a": 64, "b": 32}, quant_method=Int8LinearMethod())
-    layer.load_weight(layer.weight, w[:64], "a")
-    layer.load_weight(layer.weight, w[64:], "b")
-    layer.process_after_loading()
+    layer, w, x = loaded_two_shard_linear(Int8LinearMethod(), rows)
     method = layer.quant_method
     assert isinstance(method, Int8LinearMethod)
     (part,) = method.parts
