@@ -14,16 +14,13 @@ do not take) the float16 matrix is widened for each matmul: the same values, wit
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from pagebus.workers.layers.linear import Linear, UnquantizedLinearMethod
 
 
 class Fp16LinearMethod(UnquantizedLinearMethod):
-    def load(self, layer: Linear, w: Any, shard: str | int | None) -> None:
-        super().load(layer, w.to(layer.weight.dtype), shard)
+    """Loads as the unquantized method does (float matrices in the default dtype), then rounds."""
 
     def process_after_loading(self, layer: Linear) -> None:
         from pagebus.kernels.cpu_native import pack_linear
