@@ -498,10 +498,7 @@ def decode_stack(heads: int, kv_heads: int, scale: float, eps: float) -> Any:
 def embed_tiles(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the [N, K] matrix held as tiles (a tied embedding's lookup; float16 tiles'
     rows widened to the float32 they multiply)."""
-    tile = tiles.shape[2]
-    flat = ids.reshape(-1)
-    rows = tiles[flat // tile, :, flat % tile].reshape(*ids.shape, _tiles_n_k(tiles)[1])
-    return rows.float() if rows.dtype is torch.float16 else rows
+    return native_ops().embed_rows(tiles, ids)
 
 
 def main() -> int:

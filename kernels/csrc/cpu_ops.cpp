@@ -217,7 +217,7 @@ inline const float* as_f32(const bf16* x, int64_t n, float* buf) {
 template <typename T>
 void norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(static_cast<size_t>(h));
+    std::vector<float> buf(std::is_same<T, float>::value ? 0 : static_cast<size_t>(h));  // float32 is read in place
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = as_f32(x + r * x_stride, h, buf.data());
       const float inv = 1.0f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + eps);
@@ -241,6 +241,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out.view(x.sizes());
 }
 
+namespace {
+// sum = x + residual (rounded to T), out = norm(sum) * w, over `rows` contiguous rows of h (sum
+// may be residual itself: each element is read before it is written).
+template <typename T>
+void add_norm_rows(const T* xp, const T* rp, const T* w, T* sp, T* out, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows * h, 1 << 14, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) sp[i] = from_f32<T>(f32(xp[i]) + f32(rp[i]));
+  });
+  norm_rows<T>(sp, h, w, out, rows, h, eps);
+}
+}  // namespace
+
 // (norm(x + residual) * w, x + residual): the decoder's pre-norm with its residual stream.
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
   const auto st = check_dtype({&x, &residual, &w}, "add_rms_norm");
@@ -252,15 +264,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   const int64_t rows = x2.size(0);
   auto sum = torch::empty({rows, h}, x.options());
   auto out = torch::empty({rows, h}, x.options());
-  DISPATCH(st, {
-    const T* xp = x2.data_ptr<T>();
-    const T* rp = r2.data_ptr<T>();
-    T* sp = sum.data_ptr<T>();
-    at::parallel_for(0, rows * h, 1 << 14, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) sp[i] = from_f32<T>(f32(xp[i]) + f32(rp[i]));
-    });
-    norm_rows<T>(sp, h, wc.data_ptr<T>(), out.data_ptr<T>(), rows, h, static_cast<float>(eps));
-  });
+  DISPATCH(st, add_norm_rows<T>(x2.data_ptr<T>(), r2.data_ptr<T>(), wc.data_ptr<T>(), sum.data_ptr<T>(),
+                                out.data_ptr<T>(), rows, h, static_cast<float>(eps)));
   return {out.view(x.sizes()), sum.view(x.sizes())};
 }
 
@@ -279,7 +284,24 @@ inline int64_t silu_and_mul_vectors(const float* g, const float* u, float* o, in
 }
 #endif
 
-// x [T, 2d] -> silu(x[:, :d]) * x[:, d:], silu's result rounded to T before the product.
+// out[r] = silu(x[r, :d]) * x[r, d:] for rows of stride xs; silu's result rounded to T before
+// the product.
+template <typename T>
+void silu_and_mul_rows(const T* xp, int64_t xs, T* op, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* __restrict__ g = xp + r * xs;
+      const T* __restrict__ u = g + d;
+      T* __restrict__ o = op + r * d;
+      for (int64_t i = silu_and_mul_vectors(g, u, o, d); i < d; ++i) {
+        const float gi = f32(g[i]);
+        o[i] = from_f32<T>(f32(from_f32<T>(gi / (1.0f + fast_exp(-gi)))) * f32(u[i]));
+      }
+    }
+  });
+}
+
+// x [T, 2d] -> silu(x[:, :d]) * x[:, d:].
 torch::Tensor silu_and_mul(torch::Tensor x) {
   const auto st = check_dtype({&x}, "silu_and_mul");
   const int64_t d = x.size(-1) / 2;
@@ -287,21 +309,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t rows = x2.size(0), xs = x2.stride(0);
   auto out = torch::empty({rows, d}, x.options());
-  DISPATCH(st, {
-    const T* xp = x2.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* __restrict__ g = xp + r * xs;
-        const T* __restrict__ u = g + d;
-        T* __restrict__ o = op + r * d;
-        for (int64_t i = silu_and_mul_vectors(g, u, o, d); i < d; ++i) {
-          const float gi = f32(g[i]);
-          o[i] = from_f32<T>(f32(from_f32<T>(gi / (1.0f + fast_exp(-gi)))) * f32(u[i]));
-        }
-      }
-    });
-  });
+  DISPATCH(st, silu_and_mul_rows<T>(x2.data_ptr<T>(), xs, out.data_ptr<T>(), rows, d));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = d;
   return out.view(shape);
@@ -867,8 +875,10 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
 // 32 sequences of ~200 tokens this halved attention's share of a float32 step (AVX-512).
 // C: the caches' type, T's or float16 beside float32 activations.
 // Blocks of keys below which a decode's context is not split across threads (the merge and a
-// second pass's start cost more than half of so few keys).
-constexpr int64_t kMinSplitBlocks = 4;
+// second pass's start cost more than half of so few keys). 2 against 4: one 96-token decode on
+// two threads, K/V from DRAM (600 layers' caches, AMD Zen 3), 19.7 -> 14.6 us a layer with a
+// float32 cache, 13.1 -> 12.5 with a float16 one (a thread alone waits on DRAM for each block).
+constexpr int64_t kMinSplitBlocks = 2;
 
 template <int NV, typename T, typename C = T>
 void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, const C* vc, int64_t s0, int64_t s1,
@@ -1869,6 +1879,44 @@ torch::Tensor pack_tiles(torch::Tensor w) {
   return w.reshape({N / kTile, kTile, K}).transpose(1, 2).contiguous();
 }
 
+// Rows `ids` of the [N, K] matrix pack_tiles holds (a tied embedding's lookup) -> [*ids, K]:
+// float16 tiles' rows widened to float32, the others' in their dtype. A row's K values lie a
+// tile row apart, each in its own cache line; torch's advanced indexing took ~36 us for one row
+// from cache, this ~1.
+torch::Tensor embed_rows(const torch::Tensor& tiles, const torch::Tensor& ids) {
+  const bool b16 = tiles.scalar_type() == torch::kBFloat16, h = tiles.scalar_type() == torch::kHalf;
+  TORCH_CHECK(tiles.is_contiguous() && tiles.dim() == (b16 ? 4 : 3) && tiles.size(2) == kTile &&
+                  (b16 || h || tiles.scalar_type() == torch::kFloat32) &&
+                  (ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32),
+              "embed_rows: pack_tiles' tiles and integer ids expected");
+  const int64_t NT = tiles.size(0), K = b16 ? 2 * tiles.size(1) : tiles.size(1), N = NT * kTile;
+  auto flat = ids.reshape({-1}).to(torch::kInt64).contiguous();
+  const int64_t n = flat.size(0);
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "embed_rows: id ", id[i], " not in [0, ", N, ")");
+  auto out = torch::empty({n, K}, tiles.options().dtype(h ? torch::kFloat32 : tiles.scalar_type()));
+  // element (r, k) of the matrix: tile r / kTile, then k (bf16: k's pair, then k's half of it)
+  auto gather = [&](auto* src, auto* dst) {
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = id[i], t = r / kTile, c = r % kTile;
+        for (int64_t k = 0; k < K; ++k)
+          dst[i * K + k] = static_cast<std::remove_pointer_t<decltype(dst)>>(
+              b16 ? src[((t * (K / 2) + k / 2) * kTile + c) * 2 + k % 2] : src[(t * K + k) * kTile + c]);
+      }
+    });
+  };
+  if (b16)
+    gather(tiles.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  else if (h)
+    gather(tiles.data_ptr<c10::Half>(), out.data_ptr<float>());
+  else
+    gather(tiles.data_ptr<float>(), out.data_ptr<float>());
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  return out.view(shape);
+}
+
 #ifdef PAGEBUS_SIMD
 // One step of the K loop per element type: `kStep` columns of x broadcast, a tile vector
 // loaded, multiplied into fp32 sums, and the sums stored as T.
@@ -2270,6 +2318,10 @@ class DecodeStack {
                  std::vector<std::vector<torch::Tensor>> weights, torch::Tensor k_cache, torch::Tensor v_cache) {
     TORCH_CHECK(fns.size() == 4 && weights.size() == 4, "DecodeStack.add_layer: 4 matmuls (qkv, o, gate_up, down)");
     for (int64_t f : fns) TORCH_CHECK(f != 0, "DecodeStack.add_layer: a matmul without an address");
+    TORCH_CHECK(in_norm.is_contiguous() && post_norm.is_contiguous() && in_norm.dim() == 1 &&
+                    post_norm.sizes() == in_norm.sizes() && post_norm.scalar_type() == in_norm.scalar_type() &&
+                    (layers_.empty() || in_norm.scalar_type() == layers_.front().in_norm.scalar_type()),
+                "DecodeStack.add_layer: contiguous 1-D norm weights of one dtype expected");
     auto mm = [&](int i) { return StackMatmul{reinterpret_cast<MatmulFn>(fns[i]), weights[i]}; };
     layers_.push_back({in_norm, post_norm, k_cache, v_cache, mm(0), mm(1), mm(2), mm(3)});
   }
@@ -2277,30 +2329,49 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // (hidden, residual) after the last layer, as the layers' forward returns them; residual
-  // None: x is the embedding's output, and the first layer's residual.
+  // None: x is the embedding's output, and the first layer's residual. The residual stream, the
+  // normed rows and the SiLU product live in buffers of this call, updated in place layer after
+  // layer: a layer then allocates only its matmuls' outputs and the attention's (the separate
+  // ops cost ~3 us each at one row, mostly their output tensors and views).
   std::vector<torch::Tensor> run(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions,
                                  torch::Tensor cos_sin, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor seq_lens, torch::Tensor query_start_loc) {
-    torch::Tensor res;
-    bool have = residual.has_value();
-    if (have) res = *residual;
-    for (const auto& L : layers_) {
-      torch::Tensor h;
-      if (have) {
-        auto n = add_rms_norm(x, res, L.in_norm, eps_);
-        h = n[0];
-        res = n[1];
+    const auto st = check_dtype({&x}, "DecodeStack.run");
+    TORCH_CHECK(!layers_.empty() && layers_.front().in_norm.scalar_type() == st, "DecodeStack.run: no layers, or x ",
+                "of another dtype than the norms'");
+    TORCH_CHECK(x.dim() == 2 && (!residual || (residual->sizes() == x.sizes() && residual->scalar_type() == st)),
+                "DecodeStack.run: x [T, hidden] and a residual of its shape and dtype expected");
+    const int64_t M = x.size(0), hid = x.size(1);
+    const float eps = static_cast<float>(eps_);
+    x = x.contiguous();
+    auto res = torch::empty_like(x), h = torch::empty_like(x);
+    torch::Tensor act;  // silu(gate) * up, sized by the first gate_up
+    DISPATCH(st, {
+      if (residual) {
+        auto r = residual->contiguous();
+        add_norm_rows<T>(x.data_ptr<T>(), r.data_ptr<T>(), layers_.front().in_norm.data_ptr<T>(), res.data_ptr<T>(),
+                         h.data_ptr<T>(), M, hid, eps);
       } else {
-        res = x;
-        h = rms_norm(x, L.in_norm, eps_);
-        have = true;
+        res.copy_(x);
+        norm_rows<T>(res.data_ptr<T>(), hid, layers_.front().in_norm.data_ptr<T>(), h.data_ptr<T>(), M, hid, eps);
       }
-      auto a = qkv_decode_attention(L.qkv(h), heads_, kv_heads_, positions, cos_sin, L.k_cache, L.v_cache, slots,
-                                    block_tables, seq_lens, query_start_loc, scale_);
-      auto n = add_rms_norm(L.o(a), res, L.post_norm, eps_);
-      res = n[1];
-      x = L.down(silu_and_mul(L.gate_up(n[0])));
-    }
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const auto& L = layers_[i];
+        if (i > 0)
+          add_norm_rows<T>(x.data_ptr<T>(), res.data_ptr<T>(), L.in_norm.data_ptr<T>(), res.data_ptr<T>(),
+                           h.data_ptr<T>(), M, hid, eps);
+        auto a = qkv_decode_attention(L.qkv(h), heads_, kv_heads_, positions, cos_sin, L.k_cache, L.v_cache, slots,
+                                      block_tables, seq_lens, query_start_loc, scale_);
+        auto o = L.o(a).contiguous();
+        add_norm_rows<T>(o.data_ptr<T>(), res.data_ptr<T>(), L.post_norm.data_ptr<T>(), res.data_ptr<T>(),
+                         h.data_ptr<T>(), M, hid, eps);
+        auto gu = L.gate_up(h).contiguous();
+        const int64_t d = gu.size(1) / 2;
+        if (!act.defined()) act = torch::empty({M, d}, x.options());
+        silu_and_mul_rows<T>(gu.data_ptr<T>(), gu.stride(0), act.data_ptr<T>(), M, d);
+        x = L.down(act).contiguous();
+      }
+    });
     return {x, res};
   }
 
@@ -2317,6 +2388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_tiles_built", &bf16_tiles_built, "whether this build multiplies bfloat16 tiles (AVX-512 BF16)");
   m.def("bf16_amx_in_use", &bf16_amx_in_use, "whether bfloat16 tiles multiply on AMX (from 2 rows, K % 32 == 0)");
   m.def("linear_tiles", &linear_tiles, "x [M, K] times column tiles -> [M, N]");
+  m.def("embed_rows", &embed_rows, "rows `ids` of the matrix column tiles hold (float16 widened to float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual, and the sum");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");

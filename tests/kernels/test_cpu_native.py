@@ -225,7 +225,7 @@ def test_fused_decode_attention_is_the_separate_ops(
     ("threads", "seqs"),
     [
         (2, [(1, 999)]),  # one stream: its keys in two runs of blocks, one a thread
-        (2, [(1, 62)]),  # too few blocks to split
+        (2, [(1, 30)]),  # too few blocks to split
         (3, [(1, 200), (1, 40)]),  # two runs each, the short one's runs unequal
         (8, [(1, 1000), (1, 20)]),  # four runs each: the short sequence's last two are empty
         (2, [(1, 300), (40, 0)]),  # beside a prefill chunk, which stays prefill_attention's
@@ -403,3 +403,6 @@ def test_embedding_rows_from_tiles(dtype: torch.dtype) -> None:
     ids = torch.tensor([[0, 47, 48], [95, 3, 3]])
     want = torch.nn.functional.embedding(ids, w.to(dtype))
     assert torch.equal(native.embed_tiles(tiles, ids), want.float() if dtype is torch.float16 else want)
+    assert torch.equal(native.embed_tiles(tiles, ids.int()), native.embed_tiles(tiles, ids))
+    with pytest.raises(RuntimeError, match=r"id 96 not in \[0, 96\)"):
+        native.embed_tiles(tiles, torch.tensor([3, 96]))
