@@ -9,7 +9,7 @@ decode attention: 8 plus per-step index building) with one call.
 What runs where: float32 and bfloat16 CPU tensors take the compiled ops (rms_norm,
 add_rms_norm, silu_and_mul, rotary, write_kv, and attention for the sequences with one query
 token; bf16 is computed in float32 and rounded where the refs round), over caches of their dtype
-or, for float32, a float16 cache (`native_cache`); float16 activations, an fp8 cache, or a
+or, for float32, a float16 cache (`native_cache_dtypes`); float16 activations, an fp8 cache, or a
 prefill chunk's attention takes the torch backend's function (kernels/*_cpu), which stays
 the reference these are tested against (tests/kernels).
 
@@ -58,10 +58,11 @@ def _native(*xs: torch.Tensor) -> bool:
     return True
 
 
-def native_cache(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Caches the compiled ops read and write beside activations x (a dtype `_native` takes):
-    of x's dtype, or float16 beside float32 (--kv-cache-dtype float16: half the bytes a decode
-    streams; F16C converts them) in 16-token blocks of head_dim 64 or 128 on a build with F16C."""
+def native_cache_dtypes(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches whose dtype the compiled ops read and write beside activations x (a dtype `_native`
+    takes): x's dtype, or float16 beside float32 (--kv-cache-dtype float16: half the bytes a
+    decode streams; F16C converts them) in 16-token blocks of head_dim 64 or 128 on a build with
+    F16C."""
     dtype = k_cache.dtype
     if dtype is x.dtype:
         return v_cache.dtype is dtype and k_cache.is_cpu and v_cache.is_cpu
@@ -76,6 +77,17 @@ def native_cache(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         and k_cache.shape[3] in (64, 128)
         and native_ops().f16_built()
     )
+
+
+def native_attention_caches(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches the compiled attention reads beside activations x: dtypes as for the cache write
+    (`native_cache_dtypes`), laid out as rows of contiguous head vectors in one layout, or a
+    token-pairs K cache beside a contiguous V cache (the compiled ops check the rest)."""
+    if not native_cache_dtypes(x, k_cache, v_cache):
+        return False
+    if k_cache.dim() == 5:
+        return k_cache.is_contiguous() and v_cache.is_contiguous()
+    return k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
 
 
 @functools.cache
@@ -243,20 +255,12 @@ def write_kv_cache(
     if k_cache.dim() == 5:  # token pairs: bf16 only, written by the compiled op alone
         native_ops().write_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)
         return
-    if not (_native(key, value) and native_cache(key, k_cache, v_cache)) or not _rows(key, value):
+    if not (_native(key, value) and native_cache_dtypes(key, k_cache, v_cache)) or not _rows(key, value):
         write_kv_cache_cpu(
             key, value, k_cache, v_cache, slot_mapping, memo=memo, k_scale=k_scale, v_scale=v_scale
         )
         return
     native_ops().write_kv(key, value, k_cache, v_cache, slot_mapping)
-
-
-def native_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Caches the compiled attention reads: rows of contiguous head vectors in one layout, or a
-    token-pairs K cache beside a contiguous V cache (the compiled ops check the rest)."""
-    if k_cache.dim() == 5:
-        return k_cache.is_contiguous() and v_cache.is_contiguous()
-    return k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
 
 
 def _rows(*xs: torch.Tensor) -> bool:
@@ -290,11 +294,10 @@ def paged_attention(
     128); other prefill chunks go through SDPA one sequence at a time, as in the torch backend."""
     native = (
         _native(q)
-        and native_cache(q, k_cache, v_cache)
+        and native_attention_caches(q, k_cache, v_cache)
         and k_scale == 1.0
         and v_scale == 1.0
         and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
-        and native_caches(k_cache, v_cache)
         and _rows(q)
     )
     starts, lens = query_start_loc_host, seq_lens_host
@@ -386,10 +389,9 @@ def qkv_decode_attention(
     does not apply: a query of several tokens, a cache or dtype the compiled ops do not take."""
     if not (
         _native(qkv)
-        and native_cache(qkv, k_cache, v_cache)
+        and native_attention_caches(qkv, k_cache, v_cache)
         and cos_sin_cache.dtype is torch.float32
         and qkv.stride(1) == 1
-        and native_caches(k_cache, v_cache)
         and block_tables.dtype is torch.int32
         and seq_lens.dtype is torch.int32
         and query_start_loc.dtype is torch.int32

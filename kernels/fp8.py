@@ -18,7 +18,7 @@ import triton.language as tl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # float16: half a float32 cache's bytes at 10 mantissa bits (llama.cpp's default KV type); the
-# compiled CPU ops read it beside float32 activations (kernels/cpu_native.py native_cache).
+# compiled CPU ops read it beside float32 activations (kernels/cpu_native.py native_cache_dtypes).
 _KV_CACHE_DTYPES = {"float16": torch.float16, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
 

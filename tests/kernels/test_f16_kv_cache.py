@@ -38,7 +38,7 @@ def test_write_kv_rounds_as_torch_and_skips_slot_minus_one() -> None:
     slots = torch.tensor([3, -1, 17, 127, 64])
     want_k, want_v = kv[:, 0].clone(), kv[:, 1].clone()
     write_kv_cache_ref(k, v, want_k, want_v, slots)
-    assert native.native_cache(k, kv[:, 0], kv[:, 1])
+    assert native.native_cache_dtypes(k, kv[:, 0], kv[:, 1])
     native.write_kv_cache(k, v, kv[:, 0], kv[:, 1], slots)
     assert torch.equal(kv[:, 0], want_k) and torch.equal(kv[:, 1], want_v)
 
@@ -66,11 +66,11 @@ def test_other_float16_pairings_run_the_torch_backend() -> None:
     """Only float32 activations over 16-token blocks of head_dim 64 or 128 take the compiled
     float16 path; the rest (bf16 activations, other head sizes) get the torch backend's result."""
     batch = _f16_batch(DECODES + MIXED, 32, (8, 2))
-    assert not native.native_cache(batch.q, batch.k_cache, batch.v_cache)
+    assert not native.native_cache_dtypes(batch.q, batch.k_cache, batch.v_cache)
     ref = paged_attention_ref(*batch.args(), 0.125)
     torch.testing.assert_close(native.paged_attention(*batch.args(), 0.125, max_query_len=129), ref, **TOL)
     bf16 = _f16_batch(DECODES, 64)
     bf16.q = bf16.q.bfloat16()
-    assert not native.native_cache(bf16.q, bf16.k_cache, bf16.v_cache)
+    assert not native.native_cache_dtypes(bf16.q, bf16.k_cache, bf16.v_cache)
     got = native.paged_attention(*bf16.args(), 0.125, max_query_len=1)
     torch.testing.assert_close(got, paged_attention_ref(*bf16.args(), 0.125), atol=1.6e-2, rtol=1.6e-2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pagebus.kernels.cpu_native import native_cache, native_caches
+from pagebus.kernels.cpu_native import native_attention_caches
 from pagebus.workers.distributed.state import current
 from pagebus.workers.forward_batch import ForwardBatch
 from pagebus.workers.layers.direct_call import DirectCall
@@ -207,8 +207,7 @@ class Model(DirectCall):
                 or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
                 or any(mm is None for mm in mms)
                 or any(w.dtype is not dtype for w in norms)
-                or not native_cache(norms[0], k_cache, v_cache)
-                or not native_caches(k_cache, v_cache)
+                or not native_attention_caches(norms[0], k_cache, v_cache)
             ):
                 return None
             stack.add_layer(
