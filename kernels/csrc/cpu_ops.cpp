@@ -496,10 +496,19 @@ inline void softmax_rows(float* sp, int64_t h, int64_t L, float* stats = nullptr
   for (int64_t hh = 0; hh < h; ++hh) {
     float* __restrict__ s = sp + hh * L;
     float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
-    float total = 0.f;
     int64_t j = 0;
+#ifdef PAGEBUS_SIMD  // GCC leaves the max loop below scalar (a vmaxss chain: ~3 cycles a score)
+    {
+      vf mv = vset1(m);
+      for (; j + kLanes <= L; j += kLanes) mv = vmax(vload(s + j), mv);  // a NaN score is skipped, as by std::max
+      alignas(64) float lanes[kLanes];
+      vstore(lanes, mv);
+      for (float x : lanes) m = std::max(m, x);
+    }
+#endif
+    for (; j < L; ++j) m = std::max(m, s[j]);
+    float total = 0.f;
+    j = 0;
 #ifdef PAGEBUS_SIMD  // vexp: fast_exp's loop stays scalar
     vf tv = vzero();
     for (; j + kLanes <= L; j += kLanes) {
