@@ -144,11 +144,14 @@ def test_attention(
 @pytest.mark.skipif(not _f16_built(), reason=_NO_F16)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (9, 3), (8, 1), (8, 2)])
 @pytest.mark.parametrize("seqs", [DECODES, MIXED], ids=["decodes", "mixed"])
-def test_attention_on_float16_caches(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int) -> None:
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_on_float16_caches(
+    seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     """--kv-cache-dtype float16 beside float32 activations: the reference on the same (widened)
     values, for groups of 1, 3, 8 (3 + 3 + 2) and 4 (3 + 1) query heads a KV head, which AVX2
-    builds score in threes (group_block_scores)."""
-    batch = make_batch(seqs, num_heads, num_kv_heads, 64)
+    builds score in threes (group_block_scores; at head_dim 128 a K row in two halves)."""
+    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim)
     batch.k_cache, batch.v_cache = batch.k_cache.half(), batch.v_cache.half()
     ref = paged_attention_ref(*batch.args(), 0.125)
     got = native.paged_attention(*batch.args(), 0.125, max_query_len=max(n for n, _ in seqs))
