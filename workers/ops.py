@@ -44,6 +44,8 @@ class Ops:
     # (blocks, block_size, kv_heads, head_dim, dtype) -> the K cache's shape; None: the rows
     # layout every backend reads, [blocks, block_size, kv_heads, head_dim] (V's always)
     k_cache_shape: Callable[[int, int, int, int, torch.dtype], tuple[int, ...]] | None = None
+    # (shape, dtype, device) -> a zeroed cache in the storage the backend reads best; None: torch.zeros
+    new_kv_cache: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] | None = None
 
     def fused_decode_attention(
         self,
@@ -102,7 +104,7 @@ def cpu_ops() -> Ops:
 
     return Ops(
         "cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention,
-        n.qkv_decode_attention, n.decode_stack, n.k_cache_shape,
+        n.qkv_decode_attention, n.decode_stack, n.k_cache_shape, n.new_kv_cache,
     )  # fmt: skip
 
 

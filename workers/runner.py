@@ -221,9 +221,10 @@ class ModelRunner:
         shape = (self.num_blocks, cfg.block_size, kv_mc.num_kv_heads, mc.head_dim)
         k_shape = self.ops.k_cache_shape(*shape, self.kv_dtype) if self.ops.k_cache_shape else shape
         held = self.parallel.layout.layers(mc.num_layers)
+        new = self.ops.new_kv_cache or (lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev))
         self.kv_caches: KVCaches = [
-            (torch.zeros(k_shape if i in held else 0, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape if i in held else 0, dtype=self.kv_dtype, device=self.device))
+            (new(k_shape if i in held else (0,), self.kv_dtype, self.device),
+             new(shape if i in held else (0,), self.kv_dtype, self.device))
             for i in range(mc.num_layers)
         ]  # fmt: skip
         log.info(

@@ -430,12 +430,14 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   const int64_t T = k.size(0), kvh = k.size(1), d = k.size(2), bs = k_cache.size(1);
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
               "write_kv: head vectors must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == d && v_cache.strides() == k_cache.strides(),
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
               "write_kv: caches must hold contiguous head vectors, in one layout");
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * bs, esize = k.element_size();
-  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), row = kvh * d * esize;
+  // rows layout (s2 == d): a slot's heads adjacent, one copy; heads-major: one per head
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
+  const int64_t runs = s2 == d ? 1 : kvh, run = (s2 == d ? kvh : 1) * d;
   if (half) {
 #ifdef PAGEBUS_F16
     const float* kp = k.data_ptr<float>();
@@ -447,8 +449,10 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
       if (slot < 0) continue;
       TORCH_CHECK(slot < num_slots, "write_kv: slot ", slot, " beyond the cache's ", num_slots);
       const int64_t off = (slot / bs) * s0 + (slot % bs) * s1;
-      store_f16_row(kp + t * k.stride(0), kc + off, kvh * d);
-      store_f16_row(vp + t * v.stride(0), vc + off, kvh * d);
+      for (int64_t g = 0; g < runs; ++g) {
+        store_f16_row(kp + t * k.stride(0) + g * d, kc + off + g * s2, run);
+        store_f16_row(vp + t * v.stride(0) + g * d, vc + off + g * s2, run);
+      }
     }
 #endif
     return;
@@ -461,9 +465,11 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     const int64_t slot = sp[t];
     if (slot < 0) continue;
     TORCH_CHECK(slot < num_slots, "write_kv: slot ", slot, " beyond the cache's ", num_slots);
-    const int64_t off = ((slot / bs) * s0 + (slot % bs) * s1) * esize;
-    std::memcpy(kc + off, kp + t * k.stride(0) * esize, row);
-    std::memcpy(vc + off, vp + t * v.stride(0) * esize, row);
+    const int64_t off = (slot / bs) * s0 + (slot % bs) * s1;
+    for (int64_t g = 0; g < runs; ++g) {
+      std::memcpy(kc + (off + g * s2) * esize, kp + (t * k.stride(0) + g * d) * esize, run * esize);
+      std::memcpy(vc + (off + g * s2) * esize, vp + (t * v.stride(0) + g * d) * esize, run * esize);
+    }
   }
 }
 
@@ -1841,11 +1847,12 @@ inline void put_row(const float* src, f16* dst, int64_t n) { store_f16_row(src, 
 
 // qkv_decode_attention's first half: every token's q heads rotated into `out`, its K heads rotated
 // and its V heads copied into their cache slot (caches of C: T's, or float16 beside float32; K in
-// token pairs where `pairs`). K is rotated straight into the slot where it needs no conversion.
+// token pairs where `pairs`; a slot's head g at g * s2 from its start). K is rotated straight into
+// the slot where it needs no conversion.
 template <typename T, typename C>
 void rotate_into_caches(const torch::Tensor& qkv, torch::Tensor& out, torch::Tensor& k_cache, torch::Tensor& v_cache,
                         int64_t h, int64_t kvh, const float* csp, const int64_t* pp, const int64_t* sp, int64_t rot,
-                        int64_t ld, int64_t s0, int64_t s1, bool pairs) {
+                        int64_t ld, int64_t s0, int64_t s1, int64_t s2, bool pairs) {
   const int64_t d = out.size(2), bs = v_cache.size(1), half = rot / 2;
   const T* x = qkv.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -1858,16 +1865,18 @@ void rotate_into_caches(const torch::Tensor& qkv, torch::Tensor& out, torch::Ten
     for (int64_t j = 0; j < h; ++j) rotate_head(xt + j * d, op + (t * h + j) * d, c, c + half, half, rot, d);
     if (sp[t] < 0) continue;
     const int64_t off = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
-    T* kdst = krow.data();
-    if constexpr (std::is_same_v<T, C>)
-      if (!pairs) kdst = kc + off;
-    for (int64_t g = 0; g < kvh; ++g) rotate_head(xt + (h + g) * d, kdst + g * d, c, c + half, half, rot, d);
+    for (int64_t g = 0; g < kvh; ++g) {
+      T* kdst = krow.data() + g * d;
+      if constexpr (std::is_same_v<T, C>)
+        if (!pairs) kdst = kc + off + g * s2;
+      rotate_head(xt + (h + g) * d, kdst, c, c + half, half, rot, d);
+    }
     if constexpr (std::is_same_v<T, C>) {
       if (pairs) put_k_pairs(krow.data(), kc + (sp[t] / bs) * k_cache.stride(0), sp[t] % bs, kvh, d, bs);
     } else {
-      put_row(krow.data(), kc + off, kvh * d);
+      for (int64_t g = 0; g < kvh; ++g) put_row(krow.data() + g * d, kc + off + g * s2, d);
     }
-    put_row(xt + (h + kvh) * d, vc + off, kvh * d);
+    for (int64_t g = 0; g < kvh; ++g) put_row(xt + (h + kvh + g) * d, vc + off + g * s2, d);
   }
 }
 
@@ -1897,7 +1906,7 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
   if (kd.pairs)
     check_pairs(k_cache, v_cache, "qkv_decode_attention");
   else
-    TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == d && v_cache.strides() == k_cache.strides(),
+    TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
                 "qkv_decode_attention: caches must hold contiguous head vectors, in one layout");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   for (int64_t b = 0; b <= ntok; ++b) TORCH_CHECK(qsl[b] == b, "qkv_decode_attention: a sequence has other than one query token");
@@ -1909,13 +1918,14 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t h, int64_t kvh, to
     TORCH_CHECK(sp[t] < num_slots, "qkv_decode_attention: slot ", sp[t], " beyond the cache's ", num_slots);
   const float* csp = cos_sin.data_ptr<float>();
   auto out = torch::empty({ntok, h, d}, qkv.options());
-  const int64_t s0 = v_cache.stride(0), s1 = v_cache.stride(1), ld = qkv.stride(0);
+  const int64_t s0 = v_cache.stride(0), s1 = v_cache.stride(1), s2 = v_cache.stride(2), ld = qkv.stride(0);
   if (f16_cache) {  // float32 activations, float16 caches
 #ifdef PAGEBUS_F16
-    rotate_into_caches<float, f16>(qkv, out, k_cache, v_cache, h, kvh, csp, pp, sp, rot, ld, s0, s1, false);
+    rotate_into_caches<float, f16>(qkv, out, k_cache, v_cache, h, kvh, csp, pp, sp, rot, ld, s0, s1, s2, false);
 #endif
   } else {
-    DISPATCH(st, rotate_into_caches<T, T>(qkv, out, k_cache, v_cache, h, kvh, csp, pp, sp, rot, ld, s0, s1, kd.pairs));
+    DISPATCH(st,
+             rotate_into_caches<T, T>(qkv, out, k_cache, v_cache, h, kvh, csp, pp, sp, rot, ld, s0, s1, s2, kd.pairs));
   }
   decode_attention(out, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
   return out.view({ntok, h * d});
