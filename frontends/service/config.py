@@ -22,6 +22,11 @@ else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found]
 
 ENV_PREFIX = "PAGEBUS_"
+# The engine's own build and A/B switches, read where they act (kernels/cpu_native.py), not serve
+# options: set beside `pagebus serve` they reach the worker instead of failing as unknown names.
+ENGINE_SWITCHES = frozenset(
+    {"PAGEBUS_CPU_KERNELS", "PAGEBUS_VERBOSE_BUILD", "PAGEBUS_K_TOKEN_PAIRS", "PAGEBUS_KV_HEADS_MAJOR"}
+)
 SECRET_OPTIONS = frozenset({"api_key"})
 # Options that say what to do with the configuration rather than being part of it.
 _NOT_CONFIG = frozenset({"help", "print_config", "command"})
@@ -117,7 +122,7 @@ def from_env(environ: Mapping[str, str], opts: Mapping[str, argparse.Action]) ->
     by_name = {env_name(d): d for d in opts}
     out: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in ENGINE_SWITCHES:
             continue
         if name not in by_name:
             raise _unknown(name, sorted(by_name), "environment variable")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from pagebus.frontends.cli import _parse, build_parser, main
-from pagebus.frontends.service.config import ConfigError, apply
+from pagebus.frontends.service.config import ENGINE_SWITCHES, ConfigError, apply
 
 
 def parse(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
@@ -45,6 +45,17 @@ def test_booleans_lists_and_engine_fields(tmp_path: Path) -> None:
     assert a.metrics_public is True and a.enforce_eager is True and a.model == "/m.gguf"
     assert parse(["--enable-prefix-caching", "--config", cfg], {}).enable_prefix_caching is True
     assert parse([], {"PAGEBUS_CUDA_GRAPH_SIZES": "4,16"}).cuda_graph_sizes == [4, 16]
+
+
+def test_the_engines_own_switches_are_not_serve_options() -> None:
+    """PAGEBUS_KV_HEADS_MAJOR=0 and the like beside `pagebus serve` reach the worker; each is a
+    switch the package reads (its source names it in an environ lookup)."""
+    args = parse([], dict.fromkeys(ENGINE_SWITCHES, "0") | {"PAGEBUS_PORT": "7003"})
+    assert args.port == 7003
+    root = Path(__file__).resolve().parents[3]
+    sources = "".join(p.read_text() for d in ("kernels", "workers") for p in (root / d).rglob("*.py"))
+    for name in ENGINE_SWITCHES:
+        assert f'environ.get("{name}"' in sources, name
 
 
 def test_unknown_names_are_errors_with_the_nearest_name(tmp_path: Path) -> None:
