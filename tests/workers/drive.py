@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
+import torch
 from pagebus.bus.messages import AddRequest, ExecuteBatch, SamplingParams
 from pagebus.scheduler.scheduler import Scheduler
 from pagebus.scheduler.virtual import VirtualEngines
@@ -39,3 +42,22 @@ def drive_greedy(
         for u in sched.update(batch, runner.execute(batch)):
             out[u.request_id].extend(u.new_token_ids)
     return out, sched
+
+
+def drive_greedy_seen(
+    runner: ModelRunner, prompts: dict[str, tuple[list[int], int]], seen: Callable[[Any, torch.Tensor], None]
+) -> dict[str, list[int]]:
+    """drive_greedy, calling seen(forward_batch, logits) after every forward of the runner's model."""
+    forward: Callable[..., torch.Tensor] = runner.model.forward
+
+    def spy(fb: Any) -> torch.Tensor:
+        out = forward(fb)
+        seen(fb, out)
+        return out
+
+    runner.model.forward = spy  # type: ignore[method-assign]
+    try:
+        tokens, _ = drive_greedy(runner, prompts)
+    finally:
+        del runner.model.forward
+    return tokens

@@ -5,15 +5,13 @@ float32 and bfloat16 column tiles, with steps of one and of several sequences.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
 from pagebus.kernels import cpu_native as native
 from pagebus.workers.runner import ModelRunner
 
-from tests.workers.drive import drive_greedy
+from tests.workers.drive import drive_greedy_seen
 
 BF16_TILES = pytest.mark.skipif(
     native.available() is not None or not native.native_ops().bf16_tiles_built(),
@@ -25,18 +23,7 @@ PROMPTS = {f"p{i}": ([100 + 7 * i + j for j in range(18 + 9 * i)], 10) for i in 
 
 def _logits_of_each_step(runner: ModelRunner) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
     seen: list[torch.Tensor] = []
-    forward: Callable[..., torch.Tensor] = runner.model.forward
-
-    def spy(fb):  # type: ignore[no-untyped-def]
-        out = forward(fb)
-        seen.append(out.clone())
-        return out
-
-    runner.model.forward = spy  # type: ignore[method-assign]
-    try:
-        tokens, _ = drive_greedy(runner, PROMPTS)
-    finally:
-        del runner.model.forward
+    tokens = drive_greedy_seen(runner, PROMPTS, lambda fb, logits: seen.append(logits.clone()))
     return tokens, seen
 
 

@@ -14,7 +14,7 @@ from pagebus.bus.config import EngineConfig
 from pagebus.workers.models.llama import DecoderLayer
 from pagebus.workers.runner import ModelRunner
 
-from tests.workers.drive import drive_greedy
+from tests.workers.drive import drive_greedy_seen
 
 # 40, 49 and 58 tokens in steps of 32: chunks ending mid-prompt, prompts finishing beside decodes
 PROMPTS = {f"p{i}": ([100 + 11 * i + j for j in range(40 + 9 * i)], 6) for i in range(3)}
@@ -25,8 +25,7 @@ def _run(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str
     steps: list[Any] = []
     last = runner.model.model.held_layers[-1]
     layer_call: Callable[..., Any] = DecoderLayer.__call__
-    forward: Callable[..., torch.Tensor] = runner.model.forward
-    out_rows: list[int] = []
+    out_rows: list[int] = []  # the last layer's output rows, this step
 
     def spy_layer(self, x, *args):  # type: ignore[no-untyped-def]
         out = layer_call(self, x, *args)
@@ -34,19 +33,12 @@ def _run(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str
             out_rows.append(out[0].shape[0])
         return out
 
-    def spy(fb):  # type: ignore[no-untyped-def]
-        out_rows.clear()
-        logits = forward(fb)
+    def seen(fb: Any, logits: torch.Tensor) -> None:
         steps.append((logits.clone(), fb.input_ids.shape[0], list(out_rows)))
-        return logits
+        out_rows.clear()
 
     monkeypatch.setattr(DecoderLayer, "__call__", spy_layer)
-    runner.model.forward = spy  # type: ignore[method-assign]
-    try:
-        tokens, _ = drive_greedy(runner, PROMPTS)
-    finally:
-        del runner.model.forward
-    return tokens, steps
+    return drive_greedy_seen(runner, PROMPTS, seen), steps
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
