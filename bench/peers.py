@@ -3,6 +3,7 @@
     bench/setup_peers.sh                      # once: each peer in its own venv (~15 min)
     python -m bench.peers [--num-requests 32 64] [--input-len 128] [--output-len 128]
         [--single-input-len 32] [--single-output-len 128] [--dtype auto] [--peers hf llamacpp vllm]
+        [--offline-repeats 1]
         [--llamacpp-formats ...] [--llamacpp-n-batch 2048] [--llamacpp-n-ubatch 2048]
         [--skip served startup run-batch] [--check] [--peer-dir ~/.cache/pagebus/peers]
 
@@ -10,7 +11,8 @@ In order: the machine (CPU model and flags, torch, load average); its ceilings, 
 bench/peer_runners/ceilings.py (dense matmul FLOP/s in float32 and bfloat16, at a large square size
 and at this model's shapes; DRAM GB/s of a large copy, read + write); then every engine on the same
 token-id prompts, greedy, EOS ignored, timed by one protocol (bench/peer_runners/_harness.py):
-- offline, for each --num-requests n: n prompts submitted at once; output tok/s of the batch.
+- offline, for each --num-requests n: n prompts submitted at once; output tok/s of the batch (the
+  median of --offline-repeats timed runs, each on prompts of its own).
 - single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1), and end to end.
 Engines: pagebus through LLM.generate (in this process) and through `pagebus run-batch` (the
 multi-process engine; offline only, on the same prompts); HF transformers `generate`; llama.cpp
@@ -51,7 +53,7 @@ from typing import Any
 from bench import serve_peers
 from bench.common import emit, log, setup_logging
 from bench.peer_runners import ceilings
-from bench.peer_runners._harness import Generate, measure, offline_plan, variant
+from bench.peer_runners._harness import Generate, measure, offline_plan, offline_result, variant
 from bench.ports import free_port
 from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype
 from bench.throughput import make_prompts, run_batch
@@ -116,10 +118,16 @@ def run_pagebus_batch(
         enable_prefix_caching=False, quantization=quantization,
     )  # fmt: skip
     by_size = {}
-    for n, _, timed in offline_plan(job["offline_sizes"]):
-        work = [(p, job["output_len"]) for p in variant(job["prompts"][:n], timed)]
-        r = run_batch(opts, work)
-        by_size[str(n)] = {"requests": r["ok"] + r["failed"]} | r
+    for n, _, timed in offline_plan(job["offline_sizes"], job.get("offline_repeats", 1)):
+        runs = [
+            run_batch(opts, [(p, job["output_len"]) for p in variant(job["prompts"][:n], v)]) for v in timed
+        ]
+        median = offline_result(job["prompts"][:n], [r["elapsed_s"] for r in runs], runs[0]["output_tokens"])
+        by_size[str(n)] = median | {
+            "ok": runs[0]["ok"],
+            "failed": runs[0]["failed"],
+            "process_s": runs[0]["process_s"],
+        }
     first = str(job["offline_sizes"][0])
     return {"engine": "pagebus", "path": "run-batch", "dtype": dtype, "offline": by_size[first],
             "offline_by_size": by_size}  # fmt: skip
@@ -253,12 +261,14 @@ def targets(
     offline = {}
     for n in opts.num_requests:
         work_flops = n * request_flops(model, opts.input_len, opts.output_len)
+        best = max(llamacpp, key=lambda k: _tps(llamacpp[k], n) or 0, default=None)
         per_path = {"llm": pb, "run_batch": batch}
+        # the peers' fractions too: 1.5x a peer asks for 1.5x its fraction of the same ceiling
+        peers = {"vllm": engines.get("vllm", {}), "llamacpp_best": llamacpp[best] if best else {}}
         elapsed = {
             k: ((r.get("offline_by_size") or {}).get(str(n)) or {}).get("elapsed_s")
-            for k, r in per_path.items()
+            for k, r in (per_path | peers).items()
         }
-        best = max(llamacpp, key=lambda k: _tps(llamacpp[k], n) or 0, default=None)
         offline[str(n)] = {
             "output_tokens_per_s": {k: _tps(r, n) for k, r in per_path.items()},
             "vs_vllm": {k: ratio(_tps(r, n), _tps(engines.get("vllm", {}), n)) for k, r in per_path.items()},
@@ -387,6 +397,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-compiled", action="store_true", help="torch.compile vLLM (+64-96 s start)")
     ap.add_argument("--ceiling-seconds", type=float, default=1.0, help="time per ceiling measurement")
     ap.add_argument("--ceiling-square", type=int, default=2048, help="matmul size of the FLOP/s ceiling")
+    ap.add_argument("--offline-repeats", type=int, default=1,
+                    help="timed runs of each offline batch per engine, the median kept (3 for a claim: "
+                         "one run on these shared machines swings 5-10%%)")  # fmt: skip
     ap.add_argument("--startup-runs", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE)
     ap.add_argument("--check", action="store_true", help=f"exit 1 when a floor of {FLOORS.name} is not met")
@@ -417,6 +430,7 @@ def main() -> None:
     job = {
         "prompts": [ids for ids, _ in work], "output_len": args.output_len, "offline_sizes": sizes,
         "single_output_len": args.single_output_len, "single_prompt": single, "modes": ["offline", "single"],
+        "offline_repeats": args.offline_repeats,
     }  # fmt: skip
     engines: dict[str, dict[str, Any]] = {}
     log.info("pagebus (%s): %s x %d in x %d out", args.dtype, sizes, args.input_len, args.output_len)

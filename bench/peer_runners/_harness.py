@@ -4,14 +4,15 @@ Stdlib only: it is imported by each peer's driver (inside that peer's venv) and 
 
 Job (JSON on the driver's stdin):
     {"prompts": [[token ids], ...], "output_len": 128, "single_output_len": 128,
-     "offline_sizes": [32, 64], "single_prompt": [token ids], "modes": ["offline", "single"],
+     "offline_sizes": [32, 64], "offline_repeats": 1, "single_prompt": [token ids], "modes": ["offline", "single"],
      "model": "/path", "options": {...engine specific...}}
 Result (one JSON object on stdout): {"engine": ..., "load_s": ..., "offline": {...},
     "offline_by_size": {"32": {...}, "64": {...}}, "single": {...}}   ("offline": the first size)
 
 - offline: for each size n, the first n prompts submitted at once, greedy, ignore EOS, output_len
   new tokens each. output_tokens_per_s = output tokens / wall time of the whole batch (prefill
-  included).
+  included); with "offline_repeats": k in the job, the batch is timed k times (other prompts each
+  time) and the median run kept, every run listed.
 - single: single_prompt (default: the first prompt) alone. Timed once with 1 new token (prefill +
   first token) and SINGLE_REPEATS times with single_output_len (the median kept, every run
   listed); decode_tokens_per_s = (n - 1) / (t_n - t_1) excludes the prefill without needing a
@@ -49,10 +50,15 @@ def variant(prompts: list[list[int]], k: int) -> list[list[int]]:
     return [[100 + (t - 100 + 997 * k) % 19900 for t in p] for p in prompts]
 
 
-def offline_plan(sizes: list[int]) -> list[tuple[int, int, int]]:
-    """(size, warm-up variant, timed variant) per offline size. Variants 2-4 are the single stream's;
-    the timed prompts of size i are what bench/peers.py also sends through run-batch."""
-    return [(n, 5 + 2 * i, 6 + 2 * i) for i, n in enumerate(sizes)]
+def offline_plan(sizes: list[int], repeats: int = 1) -> list[tuple[int, int, list[int]]]:
+    """(size, warm-up variant, timed variants) per offline size: one variant per timed repeat.
+    Variants 2-4 and 40 on are the single stream's; the first repeat of size i keeps variant
+    6 + 2i, the others take 100 + 10i on. The timed prompts are what bench/peers.py also sends
+    through run-batch."""
+    return [
+        (n, 5 + 2 * i, [6 + 2 * i] + [100 + 10 * i + r for r in range(1, repeats)])
+        for i, n in enumerate(sizes)
+    ]
 
 
 def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
@@ -62,17 +68,27 @@ def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float,
 
 
 def measure_offline(
-    generate: Generate, prompts: list[list[int]], output_len: int, warm: int = 1, timed: int = 0
+    generate: Generate,
+    prompts: list[list[int]],
+    output_len: int,
+    warm: int = 1,
+    timed: list[int] | None = None,
 ) -> dict[str, Any]:
     generate(variant(prompts, warm), WARMUP_TOKENS)
-    elapsed, counts = _timed(generate, variant(prompts, timed), output_len)
-    out = sum(counts)
+    runs = [_timed(generate, variant(prompts, v), output_len) for v in timed or [0]]
+    return offline_result(prompts, [t for t, _ in runs], sum(runs[0][1]))
+
+
+def offline_result(prompts: list[list[int]], elapsed: list[float], out: int) -> dict[str, Any]:
+    """One size's offline figures from its timed runs: the median run's, with every run listed."""
+    tn = statistics.median(elapsed)
     return {
         "requests": len(prompts),
         "input_tokens": sum(len(p) for p in prompts),
         "output_tokens": out,
-        "elapsed_s": round(elapsed, 3),
-        "output_tokens_per_s": round(out / elapsed, 2),
+        "elapsed_s": round(tn, 3),
+        "elapsed_runs_s": [round(t, 3) for t in elapsed],
+        "output_tokens_per_s": round(out / tn, 2),
     }
 
 
@@ -105,7 +121,7 @@ def measure(job: dict[str, Any], generate: Generate) -> dict[str, Any]:
         sizes = job.get("offline_sizes") or [len(job["prompts"])]
         by_size = {
             str(n): measure_offline(generate, job["prompts"][:n], job["output_len"], warm, timed)
-            for n, warm, timed in offline_plan(sizes)
+            for n, warm, timed in offline_plan(sizes, job.get("offline_repeats", 1))
         }
         result["offline"] = by_size[str(sizes[0])]
         result["offline_by_size"] = by_size

@@ -27,7 +27,7 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
         ["-m", "bench.peers", "--num-requests", str(N), str(N2), "--input-len", str(IN),
          "--output-len", str(OUT), "--single-input-len", str(SINGLE_IN), "--single-output-len", str(SINGLE_OUT),
          "--peer-dir", str(missing), "--ceiling-seconds", "0.05", "--ceiling-square", "128",
-         "--skip", "startup", "served"],
+         "--offline-repeats", "3", "--skip", "startup", "served"],
         timeout=480,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -57,6 +57,8 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     assert off["input_tokens"] == N * IN
     assert off["output_tokens"] == N * OUT
     assert off["elapsed_s"] > 0 and off["output_tokens_per_s"] > 0
+    # --offline-repeats 3: three timed runs, the median's figures kept
+    assert len(off["elapsed_runs_s"]) == 3 and off["elapsed_s"] == sorted(off["elapsed_runs_s"])[1]
     assert pb["offline_by_size"][str(N)] == off
     assert pb["offline_by_size"][str(N2)]["output_tokens"] == N2 * OUT
     assert single["input_tokens"] == SINGLE_IN and single["output_tokens"] == SINGLE_OUT
@@ -68,12 +70,15 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
             rb["offline_by_size"][str(n)]["ok"] == n
             and rb["offline_by_size"][str(n)]["output_tokens"] == n * OUT
         )
+        runs = rb["offline_by_size"][str(n)]["elapsed_runs_s"]
+        assert len(runs) == 3 and rb["offline_by_size"][str(n)]["elapsed_s"] == sorted(runs)[1]
     tgt = doc["targets"]
     for n in (N, N2):
         off_t = tgt["offline"][str(n)]
         assert off_t["output_tokens_per_s"]["llm"] > 0 and off_t["output_tokens_per_s"]["run_batch"] > 0
         assert off_t["vs_vllm"] == {"llm": None, "run_batch": None}  # no peers here
         assert off_t["compute_fraction"]["llm"] > 0 and off_t["workload_gflop"] > 0
+        assert off_t["compute_fraction"]["vllm"] is None and off_t["compute_fraction"]["llamacpp_best"] is None
         assert tgt["process_split"][str(n)] > 0
     assert tgt["single"]["decode_tokens_per_s"] > 0 and tgt["single"]["bandwidth_fraction"] > 0
     assert tgt["single"]["vs_llamacpp_same_precision"]["ratio"] is None
