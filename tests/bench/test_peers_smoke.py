@@ -78,7 +78,9 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
         assert off_t["output_tokens_per_s"]["llm"] > 0 and off_t["output_tokens_per_s"]["run_batch"] > 0
         assert off_t["vs_vllm"] == {"llm": None, "run_batch": None}  # no peers here
         assert off_t["compute_fraction"]["llm"] > 0 and off_t["workload_gflop"] > 0
-        assert off_t["compute_fraction"]["vllm"] is None and off_t["compute_fraction"]["llamacpp_best"] is None
+        assert (
+            off_t["compute_fraction"]["vllm"] is None and off_t["compute_fraction"]["llamacpp_best"] is None
+        )
         assert tgt["process_split"][str(n)] > 0
     assert tgt["single"]["decode_tokens_per_s"] > 0 and tgt["single"]["bandwidth_fraction"] > 0
     assert tgt["single"]["vs_llamacpp_same_precision"]["ratio"] is None
