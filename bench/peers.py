@@ -370,6 +370,13 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, nargs="+", default=[32, 64], help="offline batch sizes")
@@ -397,7 +404,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-compiled", action="store_true", help="torch.compile vLLM (+64-96 s start)")
     ap.add_argument("--ceiling-seconds", type=float, default=1.0, help="time per ceiling measurement")
     ap.add_argument("--ceiling-square", type=int, default=2048, help="matmul size of the FLOP/s ceiling")
-    ap.add_argument("--offline-repeats", type=int, default=1,
+    ap.add_argument("--offline-repeats", type=_positive, default=1,
                     help="timed runs of each offline batch per engine, the median kept (3 for a claim: "
                          "one run on these shared machines swings 5-10%%)")  # fmt: skip
     ap.add_argument("--startup-runs", type=int, default=2)

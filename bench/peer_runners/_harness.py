@@ -52,12 +52,14 @@ def variant(prompts: list[list[int]], k: int) -> list[list[int]]:
 
 def offline_plan(sizes: list[int], repeats: int = 1) -> list[tuple[int, int, list[int]]]:
     """(size, warm-up variant, timed variants) per offline size: one variant per timed repeat.
-    Variants 2-4 and 40 on are the single stream's; the first repeat of size i keeps variant
-    6 + 2i, the others take 100 + 10i on. The timed prompts are what bench/peers.py also sends
-    through run-batch."""
+    Variants 2-4 and 40-99 are the single stream's; the first repeat of size i keeps variant
+    6 + 2i, its other repeats-1 take their own run from 100 on, so no two runs share prompts.
+    The timed prompts are what bench/peers.py also sends through run-batch."""
+    if repeats < 1:
+        raise ValueError(f"offline repeats must be at least 1, got {repeats}")
+    extra = repeats - 1
     return [
-        (n, 5 + 2 * i, [6 + 2 * i] + [100 + 10 * i + r for r in range(1, repeats)])
-        for i, n in enumerate(sizes)
+        (n, 5 + 2 * i, [6 + 2 * i] + [100 + i * extra + r for r in range(extra)]) for i, n in enumerate(sizes)
     ]
 
 
