@@ -177,6 +177,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native_ops().silu_and_mul(x)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits.argmax(-1) of float32 [rows, vocab] CPU logits (the first maximum; NaN the
+    maximum), or None where the compiled ops do not take them."""
+    if (
+        logits.dtype is not torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+    ):
+        return None
+    if not logits.is_cpu or available() is not None:
+        return None
+    return native_ops().argmax_rows(logits)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,

@@ -423,3 +423,43 @@ def test_embedding_rows_from_tiles(dtype: torch.dtype) -> None:
     assert torch.equal(native.embed_tiles(tiles, ids.int()), native.embed_tiles(tiles, ids))
     with pytest.raises(RuntimeError, match=r"id 96 not in \[0, 96\)"):
         native.embed_tiles(tiles, torch.tensor([3, 96]))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_argmax_rows_is_torch_argmax(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 49152, generator=g)
+    assert torch.equal(native.argmax_rows(x), x.argmax(-1))
+    wide = torch.randn(rows, 50000, generator=g)[:, :49999]  # rows apart by more than their width
+    assert torch.equal(native.argmax_rows(wide), wide.argmax(-1))
+    inf, nan = float("inf"), float("nan")
+    edge = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0],  # ties: the first
+            [nan, 5.0, nan, 1.0],  # NaN is the maximum: its first
+            [2.0, 9.0, 1.0, nan],
+            [-inf, -inf, -inf, -inf],
+            [0.0, -0.0, 7.0, inf],
+            [-0.0, 0.0, -1.0, -2.0],  # signed zeros are equal
+        ]
+    )
+    assert native.argmax_rows(edge).tolist() == edge.argmax(-1).tolist() == [1, 0, 3, 0, 3, 0]
+    # the same cases across the vector runs and the tail of a 1,000-wide row (15 runs of 64 on
+    # AVX-512, 31 of 32 on AVX2, then the rest)
+    wide = torch.randn(7, 1000, generator=g)
+    wide[0, 500] = nan
+    wide[1, 999] = nan  # in the tail
+    wide[2, 10] = inf
+    wide[3] = -inf
+    wide[4, 100] = wide[4, 990] = 50.0  # a tie between a run and the tail: the run's
+    wide[5, 300] = wide[5, 301] = wide[5, 700] = 50.0  # ties within a run and across runs
+    wide[6, :] = 0.0
+    assert native.argmax_rows(wide).tolist() == wide.argmax(-1).tolist() == [500, 999, 10, 0, 100, 300, 0]
+
+
+def test_argmax_rows_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(4, 1000)
+    assert native.argmax_rows(x.bfloat16()) is None
+    assert native.argmax_rows(x.t()) is None  # columns are not contiguous
+    monkeypatch.setenv("PAGEBUS_CPU_KERNELS", "0")
+    assert native.argmax_rows(x) is None

@@ -101,7 +101,11 @@ def test_penalties_and_min_tokens() -> None:
 
 @pytest.mark.parametrize("vocab", [1000, 2048, 5000, 49152, 128256])
 @pytest.mark.parametrize("rows", [1, 2, 33])
-def test_greedy_ids_is_argmax_first_maximum_included(vocab: int, rows: int) -> None:
+@pytest.mark.parametrize("compiled", ["1", "0"])  # the compiled ops' argmax, and torch's chunks
+def test_greedy_ids_is_argmax_first_maximum_included(
+    vocab: int, rows: int, compiled: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEBUS_CPU_KERNELS", compiled)
 
     g = torch.Generator().manual_seed(vocab + rows)
     x = torch.randn(rows, vocab, generator=g)
