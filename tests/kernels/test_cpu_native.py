@@ -354,6 +354,20 @@ def test_linear_on_column_tiles(rows: int, n: int, k: int, half: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
+def test_tile_rows_do_not_depend_on_the_rows_beside_them(half: bool) -> None:
+    """Row blocks are sized evenly (32 rows on AVX2: 6 6 5 5 5 5): a row's sums are the same
+    bitwise whatever block it falls in, so a sequence's logits do not depend on its batch."""
+    g = torch.Generator().manual_seed(7)
+    tiles = native.pack_linear(torch.randn(96, 576, generator=g), half=half)
+    assert tiles is not None
+    x = torch.randn(70, 576, generator=g)
+    every = native.linear_tiles(x, tiles)
+    for rows in (1, 2, 3, 5, 7, 13, 20, 31, 32, 33, 63, 64):
+        assert torch.equal(native.linear_tiles(x[:rows], tiles), every[:rows]), rows
+        assert torch.equal(native.linear_tiles(x[-rows:], tiles), every[-rows:]), rows
+
+
 BF16_TILES = pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)
 
 
