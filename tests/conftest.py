@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Tests share 2 cores with the processes they start; keep BLAS from oversubscribing.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# What the engines derive from model files (converted tokenizers, the weight cache) goes to a
+# directory of this session, inherited by every process the tests start, and removed at the end:
+# the suite's many throwaway models never fill or evict the user's own caches.
+_OWN_CACHE = None if "PAGEBUS_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="pagebus-test-cache.")
+if _OWN_CACHE is not None:
+    os.environ["PAGEBUS_CACHE_DIR"] = _OWN_CACHE
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def _cuda_present() -> bool:
