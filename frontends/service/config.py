@@ -22,10 +22,17 @@ else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found]
 
 ENV_PREFIX = "PAGEBUS_"
-# The engine's own build and A/B switches, read where they act (kernels/cpu_native.py), not serve
-# options: set beside `pagebus serve` they reach the worker instead of failing as unknown names.
+# The engine's own build and A/B switches and the directory of its caches, read where they act
+# (kernels/cpu_native.py, bus/config.py cache_root), not serve options: set beside `pagebus serve`
+# they reach the engine's processes instead of failing as unknown names.
 ENGINE_SWITCHES = frozenset(
-    {"PAGEBUS_CPU_KERNELS", "PAGEBUS_VERBOSE_BUILD", "PAGEBUS_K_TOKEN_PAIRS", "PAGEBUS_KV_HEADS_MAJOR"}
+    {
+        "PAGEBUS_CPU_KERNELS",
+        "PAGEBUS_VERBOSE_BUILD",
+        "PAGEBUS_K_TOKEN_PAIRS",
+        "PAGEBUS_KV_HEADS_MAJOR",
+        "PAGEBUS_CACHE_DIR",
+    }
 )
 SECRET_OPTIONS = frozenset({"api_key"})
 # Options that say what to do with the configuration rather than being part of it.

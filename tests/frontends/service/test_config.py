@@ -53,7 +53,7 @@ def test_the_engines_own_switches_are_not_serve_options() -> None:
     args = parse([], dict.fromkeys(ENGINE_SWITCHES, "0") | {"PAGEBUS_PORT": "7003"})
     assert args.port == 7003
     root = Path(__file__).resolve().parents[3]
-    sources = "".join(p.read_text() for d in ("kernels", "workers") for p in (root / d).rglob("*.py"))
+    sources = "".join(p.read_text() for d in ("kernels", "workers", "bus") for p in (root / d).rglob("*.py"))
     for name in ENGINE_SWITCHES:
         assert f'environ.get("{name}"' in sources, name
 
