@@ -16,6 +16,7 @@ entries go first. A file that cannot be read or written costs the cache, never t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -46,8 +47,10 @@ def _checkpoint_files(path: str) -> list[Path]:
     return sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".json", ".gguf") and f.is_file())
 
 
+@functools.cache
 def _source_digest() -> str:
-    """sha256 over the source of the packages that decide how weights are held."""
+    """sha256 over the source of the packages that decide how weights are held (once a process:
+    a draft model or a second load keys on the same code)."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for pkg in _PACKAGES:
@@ -157,7 +160,7 @@ class WeightCache:
                 os.replace(tmp, self.path)  # readers see no file or a whole one
             finally:
                 Path(tmp).unlink(missing_ok=True)
-        except (OSError, ValueError, RuntimeError) as e:  # e.g. a read-only home, a full disk
+        except Exception as e:  # e.g. a read-only home, a full disk (safetensors' own errors too)
             log.warning(
                 "weight cache: could not write %s (%s); the next start loads the checkpoint again",
                 self.path,
