@@ -9,8 +9,9 @@
 
 In order: the machine (CPU model and flags, torch, load average); its ceilings, measured here by
 bench/peer_runners/ceilings.py (dense matmul FLOP/s in float32 and bfloat16, at a large square size
-and at this model's shapes; DRAM GB/s of a large copy, read + write); then every engine on the same
-token-id prompts, greedy, EOS ignored, timed by one protocol (bench/peer_runners/_harness.py):
+and at this model's shapes; the float32 FMA peak of the cores; DRAM GB/s of a large copy, read +
+write); then every engine on the same token-id prompts, greedy, EOS ignored, timed by one protocol
+(bench/peer_runners/_harness.py):
 - offline, for each --num-requests n: n prompts submitted at once; output tok/s of the batch (the
   median of --offline-repeats timed runs, each on prompts of its own).
 - single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1), and end to end.
@@ -25,10 +26,13 @@ Then pagebus's start-up to Ready (`pagebus serve` until it answers, with the spl
 served benchmark (bench/serve_peers.py: vLLM's own client against each server).
 
 "targets" holds the issue's ratios: offline (pagebus / vLLM, pagebus / llama.cpp's best format, and
-the fraction of the compute ceiling = workload FLOPs / time / matmul FLOP/s in pagebus's dtype),
-single stream (pagebus / llama.cpp at the same precision, and F16; the fraction of the bandwidth
-ceiling = weight bytes per token x tok/s / DRAM bytes/s), served, start-up and the process split
-(run-batch / LLM.generate). --check exits 1 when a floor of bench/peer_floors.json is not met.
+the fraction of the compute ceiling = workload FLOPs / time / matmul FLOP/s in pagebus's dtype; in
+float32 also each engine's fraction of the FMA peak, and the fraction 1.5x each peer asks of
+pagebus), single stream (pagebus / llama.cpp at the same precision, and F16; the fraction of the
+bandwidth ceiling = weight bytes per token x tok/s / DRAM bytes/s), served (in float32 with the P99
+TTFT's floor here: every prompt's prefill at the FMA peak, best order; p99_ttft_floor_s), start-up
+and the process split (run-batch / LLM.generate). --check exits 1 when a floor of
+bench/peer_floors.json is not met.
 A peer not set up is "skipped"; a peer that fails carries its error. Prints one JSON object.
 """
 
@@ -42,6 +46,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +69,7 @@ PEERS = ("hf", "llamacpp", "vllm")
 SKIPPABLE = ("run-batch", "startup", "served")
 SAME_PRECISION_GGUF = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 TARGET_STARTUP_S = 10.0
+TARGET_OFFLINE_RATIO = 1.5  # pagebus offline output tok/s >= 1.5 x each peer's
 TARGET_PROCESS_SPLIT = 0.95
 
 
@@ -226,6 +232,35 @@ def request_flops(m: dict[str, Any], input_len: int, output_len: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------- targets
+def p99_ttft_floor_s(w: serve_peers.Workload, model: dict[str, Any], fma_flops: float) -> float:
+    """The least P99 TTFT a float32 engine could report for workload w on this machine: each
+    prompt's prefill (request_flops with one output token) at the FMA peak, the prompts prefilled
+    one at a time (the order that gives the least TTFTs), the first min(N, C) arriving together (the
+    client starts C at once) and every later one alone (the best case). The percentile is the
+    client's (numpy's linear one)."""
+    one = request_flops(model, w.input_len, 1) / fma_flops
+    first = min(w.num_prompts, w.concurrency)
+    ttfts = [i * one for i in range(1, first + 1)] + [one] * (w.num_prompts - first)
+    if len(ttfts) == 1:
+        return ttfts[0]
+    return statistics.quantiles(ttfts, n=100, method="inclusive")[98]
+
+
+def add_ttft_floors(
+    served: dict[str, Any], workloads: list[serve_peers.Workload], model: dict[str, Any], fma_flops: float
+) -> None:
+    """Beside each workload's P99 TTFT ratio: its floor here (p99_ttft_floor_s) and that floor over
+    what the target allows (target x the best peer's P99): above 1, no float32 engine meets it here."""
+    for w in workloads:
+        entry = (served.get(w.name) or {}).get("p99_ttft")
+        if not entry:
+            continue
+        floor_ms = p99_ttft_floor_s(w, model, fma_flops) * 1e3
+        best_peer_ms = served[w.name]["pagebus_p99_ttft_ms"] / entry["ratio"]
+        entry["floor_ms"] = round(floor_ms, 1)
+        entry["floor_over_allowed"] = round(floor_ms / (entry["target"] * best_peer_ms), 3)
+
+
 def _tps(r: dict[str, Any], n: int | None = None) -> float | None:
     if n is None:
         return (r.get("single") or {}).get("decode_tokens_per_s")
@@ -257,6 +292,7 @@ def targets(
 ) -> dict[str, Any]:
     pb, batch = engines.get("pagebus", {}), engines.get("pagebus_run_batch", {})
     flops_peak = ceil["matmul_gflops"][opts.dtype][f"square_{opts.ceiling_square}"] * 1e9
+    fma = (ceil.get("fma_gflops_float32") or 0) * 1e9 if opts.dtype == "float32" else 0
     llamacpp = {n: r for n, r in engines.items() if n.startswith("llamacpp_")}
     offline = {}
     for n in opts.num_requests:
@@ -278,6 +314,16 @@ def targets(
             "compute_ceiling_gflops": round(flops_peak / 1e9, 1),
             "compute_fraction": {k: round(work_flops / t / flops_peak, 3) if t else None for k, t in elapsed.items()},
         }  # fmt: skip
+        if fma:  # the same against the FMA peak, and the share of it each 1.5x target asks of pagebus
+            fraction = {k: round(work_flops / t / fma, 3) if t else None for k, t in elapsed.items()}
+            offline[str(n)] |= {
+                "fma_peak_gflops": round(fma / 1e9, 1),
+                "fma_fraction": fraction,
+                "fma_fraction_for_target": {
+                    k: round(TARGET_OFFLINE_RATIO * f, 3) if f else None
+                    for k, f in fraction.items() if k in peers
+                },
+            }  # fmt: skip
     same = f"llamacpp_{SAME_PRECISION_GGUF[weight_dtype(opts)]}"
     dram = ceil["dram_gb_per_s"] * 1e9
     decode = _tps(pb)
@@ -477,6 +523,9 @@ def main() -> None:
         log.info("served: %s", [w.name for w in args.workloads])
         served = serve_peers.run(args)
         tgt["served"] = served["ratios"]
+        fma = (ceil.get("fma_gflops_float32") or 0) * 1e9
+        if fma and args.dtype == "float32":
+            add_ttft_floors(tgt["served"], args.workloads, model, fma)
     cfg = {k: v for k, v in vars(args).items() if k != "workloads"} | {
         "workloads": [w.name for w in args.workloads]
     }

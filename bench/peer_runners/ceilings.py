@@ -5,6 +5,9 @@
 - matmul: dense FLOP/s of torch.mm in float32 and bfloat16, at a large square size and at one layer's
   projections of the benchmarked model (M rows = tokens in the step: 1, a decode batch, a prefill
   chunk), plus its lm_head. FLOPs = 2 * M * K * N.
+- fma: float32 FLOP/s of the CPU's widest vector FMAs on every torch thread, 12 independent chains
+  a thread, no memory operands (a tiny native loop built here with the machine's compiler): what no
+  float32 kernel can beat. The floors in bench/peers.py's targets are worked out from it.
 - dram: bytes/s of a large tensor copy, counting the read and the write (2 x size per copy), on
   buffers far larger than any cache.
 - cpu: model name and the flags that decide which dtypes are native (avx512_bf16, amx_bf16).
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
@@ -73,6 +76,71 @@ def matmul_flops(m: int, shapes: list[tuple[int, int]], dtype: torch.dtype, min_
     return flops / _best_seconds(run, min_s)
 
 
+_FMA_LOOP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+// `iters` x 12 independent FMA chains on every torch thread; returns the FLOPs done (the sums are
+// kept, so the loop stays).
+#ifdef __AVX512F__
+using V = __m512;
+#define FMA _mm512_fmadd_ps
+#define SET1 _mm512_set1_ps
+#define LANES 16
+#else
+using V = __m256;
+#define FMA _mm256_fmadd_ps
+#define SET1 _mm256_set1_ps
+#define LANES 8
+#endif
+double fma_loop(int64_t iters) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const V b = SET1(0.999f), c = SET1(1e-3f);
+      V a0 = SET1(1), a1 = SET1(2), a2 = SET1(3), a3 = SET1(4), a4 = SET1(5), a5 = SET1(6), a6 = SET1(7),
+        a7 = SET1(8), a8 = SET1(9), a9 = SET1(10), a10 = SET1(11), a11 = SET1(12);
+      for (int64_t n = 0; n < iters; ++n) {
+        a0 = FMA(a0, b, c); a1 = FMA(a1, b, c); a2 = FMA(a2, b, c); a3 = FMA(a3, b, c);
+        a4 = FMA(a4, b, c); a5 = FMA(a5, b, c); a6 = FMA(a6, b, c); a7 = FMA(a7, b, c);
+        a8 = FMA(a8, b, c); a9 = FMA(a9, b, c); a10 = FMA(a10, b, c); a11 = FMA(a11, b, c);
+        asm("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
+        asm("" : "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
+      }
+      float s[LANES];
+      std::memcpy(s, &a0, sizeof s);
+      float total = s[0];
+      for (const V& v : {a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11}) total += reinterpret_cast<const float*>(&v)[0];
+      sink[t] = total;
+    }
+  });
+  volatile float keep = sink[0];
+  (void)keep;
+  return 2.0 * LANES * 12 * iters * threads;
+}
+"""
+
+
+def fma_flops(min_s: float) -> float | None:
+    """float32 FLOP/s of vector FMAs on every torch thread (see the module doc); None where the
+    CPU has no FMA or the loop cannot be built (no compiler)."""
+    if not cpu_info()["flags"]["fma"]:
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        mod = load_inline(
+            name="pagebus_bench_fma_peak", cpp_sources=[_FMA_LOOP], functions=["fma_loop"],
+            extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        )  # fmt: skip
+    except Exception:  # a bench on a machine without a toolchain still reports the rest
+        return None
+    iters = 5_000_000  # ~20 ms a call on 2 threads of a 3 GHz AVX2 core
+    flops = mod.fma_loop(1)
+    return flops * iters / _best_seconds(lambda: mod.fma_loop(iters), min_s)
+
+
 def dram_bytes_per_s(mib: int, min_s: float) -> float:
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -119,6 +187,8 @@ def measure(
                 head = [(model_dims["hidden"], model_dims["vocab"])]
                 res[f"lm_head_m{m}"] = round(matmul_flops(m, head, dt, min_s / 2) / 1e9, 3)
         out["matmul_gflops"][name] = res
+    fma = fma_flops(min_s)
+    out["fma_gflops_float32"] = round(fma / 1e9, 1) if fma else None
     out["dram_gb_per_s"] = round(dram_bytes_per_s(copy_mib, min_s) / 1e9, 2)
     out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return out

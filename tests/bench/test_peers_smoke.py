@@ -49,6 +49,7 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
         gflops = ceil["matmul_gflops"][dtype]
         assert gflops["square_128"] > 0 and gflops["layer_m1"] > 0 and gflops["lm_head_m1"] > 0
     assert ceil["dram_gb_per_s"] > 0
+    assert (ceil["fma_gflops_float32"] or 0) > 0 if flags["fma"] else ceil["fma_gflops_float32"] is None
 
     pb = doc["engines"]["pagebus"]
     assert "error" not in pb, pb
@@ -82,6 +83,9 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
             off_t["compute_fraction"]["vllm"] is None and off_t["compute_fraction"]["llamacpp_best"] is None
         )
         assert tgt["process_split"][str(n)] > 0
+        if doc["config"]["dtype"] == "float32" and flags["fma"]:  # the FMA peak is float32's
+            assert off_t["fma_fraction"]["run_batch"] > 0 and off_t["fma_peak_gflops"] > 0
+            assert off_t["fma_fraction_for_target"] == {"vllm": None, "llamacpp_best": None}
     assert tgt["single"]["decode_tokens_per_s"] > 0 and tgt["single"]["bandwidth_fraction"] > 0
     assert tgt["single"]["vs_llamacpp_same_precision"]["ratio"] is None
     assert "startup" not in tgt and "served" not in tgt  # skipped
@@ -139,3 +143,22 @@ def test_request_flops() -> None:
     m = {"layers": 2, "layer_weights": 10, "q_dim": 4, "hidden": 3, "vocab": 5}
     # 3 in + 2 out: 4 forwards; 2 x 4 x 2 x 10 linear, 4 x 4 x 2 x (1+2+3+4) attention, 2 x 2 x 15 lm_head
     assert request_flops(m, 3, 2) == 160 + 320 + 60
+
+
+def test_p99_ttft_floor() -> None:
+    from bench.peers import add_ttft_floors, p99_ttft_floor_s, request_flops
+    from bench.serve_peers import Workload
+
+    m = {"layers": 2, "layer_weights": 10, "q_dim": 4, "hidden": 3, "vocab": 5}
+    one = request_flops(m, 3, 1)  # one prompt's prefill: its FLOPs at 1 FLOP/s, in seconds
+    # 4 prompts, 2 at once: the first two prefilled one after the other (1 and 2 x one), the later
+    # two alone (one each); the 99th percentile of [1, 1, 1, 2] x one, interpolated as numpy does
+    w = Workload(num_prompts=4, input_len=3, output_len=2, concurrency=2)
+    assert p99_ttft_floor_s(w, m, 1.0) == pytest.approx(1.97 * one)
+    assert p99_ttft_floor_s(Workload(1, 3, 2, 1), m, 1.0) == one
+    served = {w.name: {"pagebus_p99_ttft_ms": 3000.0, "p99_ttft": {"ratio": 1.5, "target": 0.5}}}
+    add_ttft_floors(served, [w, Workload(8, 3, 2, 1)], m, 1000.0)  # a workload that did not run is left
+    entry = served[w.name]["p99_ttft"]
+    assert entry["floor_ms"] == pytest.approx(1.97 * one, abs=0.05)
+    # the best peer's P99 is 3000 / 1.5 = 2000 ms; the target allows half of it
+    assert entry["floor_over_allowed"] == pytest.approx(1.97 * one / 1000, abs=1e-3)
