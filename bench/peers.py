@@ -232,6 +232,11 @@ def request_flops(m: dict[str, Any], input_len: int, output_len: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------- targets
+def fma_peak(ceil: dict[str, Any], dtype: str) -> float:
+    """The cores' FMA peak in FLOP/s where it bounds pagebus's arithmetic (float32 runs), else 0."""
+    return (ceil.get("fma_gflops_float32") or 0) * 1e9 if dtype == "float32" else 0.0
+
+
 def p99_ttft_floor_s(w: serve_peers.Workload, model: dict[str, Any], fma_flops: float) -> float:
     """The least P99 TTFT a float32 engine could report for workload w on this machine: each
     prompt's prefill (request_flops with one output token) at the FMA peak, the prompts prefilled
@@ -292,7 +297,7 @@ def targets(
 ) -> dict[str, Any]:
     pb, batch = engines.get("pagebus", {}), engines.get("pagebus_run_batch", {})
     flops_peak = ceil["matmul_gflops"][opts.dtype][f"square_{opts.ceiling_square}"] * 1e9
-    fma = (ceil.get("fma_gflops_float32") or 0) * 1e9 if opts.dtype == "float32" else 0
+    fma = fma_peak(ceil, opts.dtype)
     llamacpp = {n: r for n, r in engines.items() if n.startswith("llamacpp_")}
     offline = {}
     for n in opts.num_requests:
@@ -523,8 +528,7 @@ def main() -> None:
         log.info("served: %s", [w.name for w in args.workloads])
         served = serve_peers.run(args)
         tgt["served"] = served["ratios"]
-        fma = (ceil.get("fma_gflops_float32") or 0) * 1e9
-        if fma and args.dtype == "float32":
+        if fma := fma_peak(ceil, args.dtype):
             add_ttft_floors(tgt["served"], args.workloads, model, fma)
     cfg = {k: v for k, v in vars(args).items() if k != "workloads"} | {
         "workloads": [w.name for w in args.workloads]
