@@ -227,7 +227,12 @@ def k_cache_shape(
     return (num_blocks, kv_heads, head_dim // 2, block_size, 2)
 
 
-def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def new_kv_cache(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """A zeroed K or V cache of `shape` (k_cache_shape's, or the rows shape [blocks, block_size,
     kv_heads, head_dim]). Rows-shaped float32 and float16 caches of 16-token blocks and head_dim
     64 or 128 are stored heads-major, [blocks, kv_heads, block_size, head_dim], and handed out as
@@ -237,7 +242,9 @@ def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     a block are then one 2 KiB run (float16, d 64) instead of 128 bytes every 384: decode
     attention streams each head's blocks in order. Zen 3, two threads, 30 layers of 64 sequences
     x 192 tokens from DRAM, float16: 16.0 -> 13.9 ms (min of 9; 25.2 -> 21.8 at 256 tokens, 7.1 ->
-    6.1 at 32 x 160). PAGEBUS_KV_HEADS_MAJOR=0 keeps the rows storage (for A/B measurement)."""
+    6.1 at 32 x 160). PAGEBUS_KV_HEADS_MAJOR=0 keeps the rows storage (for A/B measurement).
+    `zeros(shape, dtype)`: where a CPU cache's memory comes from (the worker's huge pages);
+    None: torch.zeros."""
     heads_major = (
         len(shape) == 4
         and shape[0] > 0
@@ -250,10 +257,16 @@ def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
         and native_ops().tiles_built()  # the SIMD build, whose prefill kernel takes these caches
         and (dtype is torch.float32 or native_ops().f16_built())
     )
+
+    def new(s: tuple[int, ...]) -> torch.Tensor:
+        if zeros is not None and device.type == "cpu":
+            return zeros(s, dtype)
+        return torch.zeros(s, dtype=dtype, device=device)
+
     if not heads_major:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return new(shape)
     n, bs, kvh, d = shape
-    return torch.zeros((n, kvh, bs, d), dtype=dtype, device=device).permute(0, 2, 1, 3)
+    return new((n, kvh, bs, d)).permute(0, 2, 1, 3)
 
 
 def k_rows(k_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""glibc malloc settings for a CPU worker: freed activation buffers stay mapped for the next step.
+"""Host memory for a CPU worker: glibc malloc settings, so that freed activation buffers stay
+mapped for the next step, and huge pages for the KV cache.
 
 By default glibc serves an allocation above its mmap threshold (128 KiB, raised dynamically up to
 32 MiB) with a fresh mmap and returns it with munmap when freed, and trims the heap's free top
@@ -18,6 +19,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +45,39 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.debug("mallopt refused the worker's malloc settings; freed buffers go back to the kernel")
     return ok
+
+
+# Huge pages for the KV cache. Decode attention reads each sequence's blocks wherever they lie
+# in a cache of GiBs: with 4 KiB pages nearly every 2 KiB head run is a TLB miss and a page walk.
+# In 2 MiB pages the whole cache fits the second-level TLB. Zen 3, two threads, 30 layers of 32
+# sequences x 192 tokens (float16, blocks shuffled), interleaved in one process: 13.6 -> 12.4
+# ms (median of 40, each pair's ratio 0.92). Linux gives huge pages to an anonymous range that
+# asks for them (madvise) where transparent_hugepage is "always" or "madvise"; where it is
+# "never" or the call is refused, the cache is ordinary memory and works the same.
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _madvise_huge(addr: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise(addr, length, _MADV_HUGEPAGE) == 0
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU, its memory advised into 2 MiB pages before it is
+    first touched (see above). Below one huge page, plain torch.zeros."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _HUGE:
+        return torch.zeros(shape, dtype=dtype)
+    # One spare huge page, so that the tensor can start on a 2 MiB boundary of the buffer.
+    buf = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    off = -buf.data_ptr() % _HUGE
+    if not _madvise_huge(buf.data_ptr() + off, (nbytes + _HUGE - off) // _HUGE * _HUGE):
+        log.debug("madvise(MADV_HUGEPAGE) refused; the KV cache is in ordinary pages")
+    # zero_ touches every page: the kernel faults them in as huge pages, 512 times fewer faults
+    return buf[off : off + nbytes].view(dtype).view(shape).zero_()

@@ -44,8 +44,9 @@ class Ops:
     # (blocks, block_size, kv_heads, head_dim, dtype) -> the K cache's shape; None: the rows
     # layout every backend reads, [blocks, block_size, kv_heads, head_dim] (V's always)
     k_cache_shape: Callable[[int, int, int, int, torch.dtype], tuple[int, ...]] | None = None
-    # (shape, dtype, device) -> a zeroed cache in the storage the backend reads best; None: torch.zeros
-    new_kv_cache: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] | None = None
+    # (shape, dtype, device, zeros) -> a zeroed cache in the storage the backend reads best, its
+    # memory from zeros(shape, dtype) on CPUs; None: torch.zeros
+    new_kv_cache: Callable[..., torch.Tensor] | None = None
 
     def fused_decode_attention(
         self,

@@ -39,7 +39,7 @@ from pagebus.workers.device import (
 from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
-from pagebus.workers.host_memory import keep_freed_memory
+from pagebus.workers.host_memory import huge_page_zeros, keep_freed_memory
 from pagebus.workers.input_batch import InputBuffers, StepTensors
 from pagebus.workers.kv_scales import KVScales, calibrate_kv_scales
 from pagebus.workers.layers.quant import select as quant_select
@@ -239,12 +239,20 @@ class ModelRunner:
         shape = (self.num_blocks, cfg.block_size, kv_mc.num_kv_heads, mc.head_dim)
         k_shape = self.ops.k_cache_shape(*shape, self.kv_dtype) if self.ops.k_cache_shape else shape
         held = self.parallel.layout.layers(mc.num_layers)
-        new = self.ops.new_kv_cache or (lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev))
+        # CPU caches in huge pages (host_memory.py): decode attention's block reads miss the TLB less
+        zeros = huge_page_zeros if self.device.type == "cpu" else None
+
+        def new(s: tuple[int, ...]) -> torch.Tensor:
+            if self.ops.new_kv_cache is not None:
+                return self.ops.new_kv_cache(s, self.kv_dtype, self.device, zeros)
+            if zeros is not None:
+                return zeros(s, self.kv_dtype)
+            return torch.zeros(s, dtype=self.kv_dtype, device=self.device)
+
         self.kv_caches: KVCaches = [
-            (new(k_shape if i in held else (0,), self.kv_dtype, self.device),
-             new(shape if i in held else (0,), self.kv_dtype, self.device))
+            (new(k_shape if i in held else (0,)), new(shape if i in held else (0,)))
             for i in range(mc.num_layers)
-        ]  # fmt: skip
+        ]
         log.info(
             "KV cache: %d blocks of %d tokens, %s%s (%.2f GiB); %.1f sequences of max_model_len %d fit at once",
             self.num_blocks, cfg.block_size, self.kv_dtype, ", K in token pairs" if len(k_shape) == 5 else "",

@@ -1,12 +1,18 @@
-"""keep_freed_memory (set by every CPU ModelRunner): a step's freed activations are reused from
-the heap, not handed back to the kernel and faulted in (zero-filled) again by the next step."""
+"""workers/host_memory.py: keep_freed_memory (set by every CPU ModelRunner), so a step's freed
+activations are reused from the heap, not handed back to the kernel and faulted in (zero-filled)
+again by the next step; and huge_page_zeros, the CPU KV cache's memory in 2 MiB pages."""
 
 from __future__ import annotations
 
 import random
 import resource
 
+import pytest
+import torch
+from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import SamplingParams
+from pagebus.workers.host_memory import huge_page_zeros
+from pagebus.workers.runner import ModelRunner
 
 
 def test_prefills_reuse_the_freed_activations(llm_fp32) -> None:
@@ -27,3 +33,44 @@ def test_prefills_reuse_the_freed_activations(llm_fp32) -> None:
     assert per_prefill < 1000, (
         f"{per_prefill:.0f} page faults a prefill: freed buffers went back to the kernel"
     )
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_huge_page_zeros_is_a_zeroed_tensor_on_a_huge_page_boundary() -> None:
+    t = huge_page_zeros((40, 16, 3, 64), torch.float16)  # under 2 MiB: torch.zeros
+    assert t.shape == (40, 16, 3, 64) and t.dtype == torch.float16 and not t.any()
+    t = huge_page_zeros((1100, 3, 16, 64), torch.float32)  # 12.9 MiB
+    assert t.shape == (1100, 3, 16, 64) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0 and not t.any()
+    t[-1] = 1.5  # the last element lies inside the buffer
+    assert float(t.sum()) == 1.5 * 3 * 16 * 64
+
+
+@pytest.mark.skipif(
+    _thp_mode() not in ("always", "madvise"), reason="this kernel gives no transparent huge pages"
+)
+def test_huge_page_zeros_memory_is_in_huge_pages() -> None:
+    before = _anon_huge_kib()
+    t = huge_page_zeros((64 << 20,), torch.uint8)
+    assert _anon_huge_kib() - before >= 62 << 10, "the KV cache's memory came in 4 KiB pages"
+    del t
+
+
+def test_cpu_runner_kv_caches_start_on_huge_page_boundaries(default_model: str) -> None:
+    cfg = EngineConfig(dtype="float32", kv_cache_memory=256 << 20, kv_cache_dtype="float16")
+    runner = ModelRunner(cfg, default_model)
+    for k, v in runner.kv_caches:
+        assert k.data_ptr() % (2 << 20) == 0 and v.data_ptr() % (2 << 20) == 0
+        assert not k.any() and not v.any()
