@@ -16,7 +16,8 @@ write); then every engine on the same token-id prompts, greedy, EOS ignored, tim
   median of --offline-repeats timed runs, each on prompts of its own).
 - single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1), and end to end.
 Engines: pagebus through LLM.generate (in this process) and through `pagebus run-batch` (the
-multi-process engine; offline only, on the same prompts); HF transformers `generate`; llama.cpp
+multi-process engine; offline only, on the same prompts, each timed run alternating with
+LLM.generate's); HF transformers `generate`; llama.cpp
 (llama-cpp-python) on each GGUF of --llamacpp-formats; vLLM CPU (eager). Each peer runs its driver
 under its own venv's python; prefix caching is off and every timed run gets prompts no run has seen.
 --dtype auto: bfloat16 where the CPU has native bf16 (AVX-512 BF16 or AMX), float32 elsewhere (bf16
@@ -58,7 +59,14 @@ from typing import Any
 from bench import serve_peers
 from bench.common import emit, log, setup_logging
 from bench.peer_runners import ceilings
-from bench.peer_runners._harness import Generate, measure, offline_plan, offline_result, variant
+from bench.peer_runners._harness import (
+    WARMUP_TOKENS,
+    Generate,
+    measure_single,
+    offline_plan,
+    offline_result,
+    variant,
+)
 from bench.ports import free_port
 from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype
 from bench.throughput import make_prompts, run_batch
@@ -99,44 +107,65 @@ def _pagebus_version() -> str | None:
 
 
 def run_pagebus(
-    job: dict[str, Any], dtype: str, kv_cache_dtype: str, quantization: str | None
-) -> dict[str, Any]:
+    job: dict[str, Any], dtype: str, kv_cache_dtype: str, quantization: str | None, batch: bool
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """pagebus through LLM.generate (offline and single stream) and, where `batch`, through `pagebus
+    run-batch` on the same timed prompts (its time is run-batch's own summary line: engine start-up
+    and shutdown excluded, reported as process_s). Each timed offline run of one path is followed
+    by the other's on the same prompts, the order swapped every repeat, so that the box's drift
+    over minutes falls on both alike. Run one path's repeats after the other's, the process split
+    read 0.89 in a run where four alternated pairs of 32 requests, minutes later, gave run-batch /
+    LLM.generate 1.00, 0.995, 1.10 and 1.12 (a worker busy 98% of run-batch's wall time, the
+    scheduler, tokenizer and frontend 1.2% between them)."""
     t = time.perf_counter()
     generate, llm = pagebus_generate(dtype, kv_cache_dtype, quantization)
-    result = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype,
+    result: dict[str, Any] = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype,
               "kv_cache_dtype": kv_cache_dtype, "quantization": quantization}  # fmt: skip
     result["load_s"] = round(time.perf_counter() - t, 2)
-    try:
-        return result | measure(job, generate)
-    finally:
-        if hasattr(llm, "shutdown"):  # release its threads/processes before the peers take the cores
-            llm.shutdown()
-
-
-def run_pagebus_batch(
-    job: dict[str, Any], dtype: str, kv_cache_dtype: str, quantization: str | None
-) -> dict[str, Any]:
-    """The offline prompts LLM.generate timed, through `pagebus run-batch`; its time is run-batch's
-    own summary line (engine start-up and shutdown excluded, reported as process_s)."""
     # no prefix caching, as pagebus_generate and the peers: the process split compares like with like
     opts = argparse.Namespace(
         dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None, kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=False, quantization=quantization,
     )  # fmt: skip
-    by_size = {}
-    for n, _, timed in offline_plan(job["offline_sizes"], job.get("offline_repeats", 1)):
-        runs = [
-            run_batch(opts, [(p, job["output_len"]) for p in variant(job["prompts"][:n], v)]) for v in timed
-        ]
-        median = offline_result(job["prompts"][:n], [r["elapsed_s"] for r in runs], runs[0]["output_tokens"])
-        by_size[str(n)] = median | {
-            "ok": runs[0]["ok"],
-            "failed": runs[0]["failed"],
-            "process_s": runs[0]["process_s"],
-        }
-    first = str(job["offline_sizes"][0])
-    return {"engine": "pagebus", "path": "run-batch", "dtype": dtype, "offline": by_size[first],
-            "offline_by_size": by_size}  # fmt: skip
+    llm_by: dict[str, Any] = {}
+    batch_by: dict[str, Any] = {}
+    try:
+        for n, warm, timed in offline_plan(job["offline_sizes"], job.get("offline_repeats", 1)):
+            prompts = job["prompts"][:n]
+            generate(variant(prompts, warm), WARMUP_TOKENS)
+            llm_s: list[float] = []
+            counts: list[list[int]] = []
+            runs: list[dict[str, Any]] = []
+            for i, v in enumerate(timed):
+                p = variant(prompts, v)
+                order = ("llm", "batch") if i % 2 == 0 else ("batch", "llm")
+                for path in order if batch else ("llm",):
+                    if path == "batch":
+                        runs.append(run_batch(opts, [(ids, job["output_len"]) for ids in p]))
+                        continue
+                    t0 = time.perf_counter()
+                    counts.append(generate(p, job["output_len"]))
+                    llm_s.append(time.perf_counter() - t0)
+            llm_by[str(n)] = offline_result(prompts, llm_s, sum(counts[0]))
+            if batch:
+                batch_by[str(n)] = offline_result(
+                    prompts, [r["elapsed_s"] for r in runs], runs[0]["output_tokens"]
+                )
+                batch_by[str(n)] |= {
+                    "ok": runs[0]["ok"],
+                    "failed": runs[0]["failed"],
+                    "process_s": runs[0]["process_s"],
+                }
+        first = str(job["offline_sizes"][0])
+        result |= {"offline": llm_by[first], "offline_by_size": llm_by}
+        result["single"] = measure_single(generate, job["single_prompt"], job["single_output_len"])
+    finally:
+        if hasattr(llm, "shutdown"):  # release its threads/processes before the peers take the cores
+            llm.shutdown()
+    if not batch:
+        return result, None
+    return result, {"engine": "pagebus", "path": "run-batch", "dtype": dtype, "offline": batch_by[first],
+                    "offline_by_size": batch_by, "interleaved_with": "LLM.generate"}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- peers
@@ -492,21 +521,17 @@ def main() -> None:
     }  # fmt: skip
     engines: dict[str, dict[str, Any]] = {}
     log.info("pagebus (%s): %s x %d in x %d out", args.dtype, sizes, args.input_len, args.output_len)
+    batch = "run-batch" not in args.skip
+    load = _load()
     try:
-        engines["pagebus"] = {"loadavg_1m_at_start": _load()} | run_pagebus(
-            job, args.dtype, args.kv_cache_dtype, args.quantization
-        )
+        llm_result, batch_result = run_pagebus(job, args.dtype, args.kv_cache_dtype, args.quantization, batch)
+        engines["pagebus"] = {"loadavg_1m_at_start": load} | llm_result
+        if batch_result is not None:
+            engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | batch_result
     except Exception as e:  # still report the peers
         log.exception("pagebus failed")
         engines["pagebus"] = {"error": f"{type(e).__name__}: {e}"}
-    if "run-batch" not in args.skip:
-        load = _load()
-        try:
-            engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | run_pagebus_batch(
-                job, args.dtype, args.kv_cache_dtype, args.quantization
-            )
-        except Exception as e:
-            log.exception("run-batch failed")
+        if batch:
             engines["pagebus_run_batch"] = {"error": f"{type(e).__name__}: {e}"}
     peer_dir = Path(args.peer_dir).expanduser()
     for peer in args.peers:
