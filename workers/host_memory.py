@@ -52,8 +52,9 @@ def keep_freed_memory() -> bool:
 # In 2 MiB pages the whole cache fits the second-level TLB. Zen 3, two threads, 30 layers of 32
 # sequences x 192 tokens (float16, blocks shuffled), interleaved in one process: 13.6 -> 12.4
 # ms (median of 40, each pair's ratio 0.92). Linux gives huge pages to an anonymous range that
-# asks for them (madvise) where transparent_hugepage is "always" or "madvise"; where it is
-# "never" or the call is refused, the cache is ordinary memory and works the same.
+# asks for them (madvise) where transparent_hugepage is "always" or "madvise", as far as it finds
+# free 2 MiB pages; where it is "never" or the call is refused, the cache is ordinary memory and
+# works the same.
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
