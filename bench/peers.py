@@ -129,6 +129,7 @@ def run_pagebus(
     )  # fmt: skip
     llm_by: dict[str, Any] = {}
     batch_by: dict[str, Any] = {}
+    batch_error = None if batch else "skipped"  # set by a run-batch failure: LLM.generate goes on alone
     try:
         for n, warm, timed in offline_plan(job["offline_sizes"], job.get("offline_repeats", 1)):
             prompts = job["prompts"][:n]
@@ -139,15 +140,19 @@ def run_pagebus(
             for i, v in enumerate(timed):
                 p = variant(prompts, v)
                 order = ("llm", "batch") if i % 2 == 0 else ("batch", "llm")
-                for path in order if batch else ("llm",):
+                for path in order if batch_error is None else ("llm",):
                     if path == "batch":
-                        runs.append(run_batch(opts, [(ids, job["output_len"]) for ids in p]))
+                        try:
+                            runs.append(run_batch(opts, [(ids, job["output_len"]) for ids in p]))
+                        except Exception as e:  # LLM.generate's figures still count
+                            log.exception("run-batch failed")
+                            batch_error = f"{type(e).__name__}: {e}"
                         continue
                     t0 = time.perf_counter()
                     counts.append(generate(p, job["output_len"]))
                     llm_s.append(time.perf_counter() - t0)
             llm_by[str(n)] = offline_result(prompts, llm_s, sum(counts[0]))
-            if batch:
+            if batch_error is None:
                 batch_by[str(n)] = offline_result(
                     prompts, [r["elapsed_s"] for r in runs], runs[0]["output_tokens"]
                 )
@@ -164,6 +169,8 @@ def run_pagebus(
             llm.shutdown()
     if not batch:
         return result, None
+    if batch_error is not None:
+        return result, {"engine": "pagebus", "path": "run-batch", "error": batch_error}
     return result, {"engine": "pagebus", "path": "run-batch", "dtype": dtype, "offline": batch_by[first],
                     "offline_by_size": batch_by, "interleaved_with": "LLM.generate"}  # fmt: skip
 
