@@ -3,7 +3,7 @@
     bench/setup_peers.sh                      # once: each peer in its own venv (~15 min)
     python -m bench.peers [--num-requests 32 64] [--input-len 128] [--output-len 128]
         [--single-input-len 32] [--single-output-len 128] [--dtype auto] [--peers hf llamacpp vllm]
-        [--offline-repeats 1]
+        [--rounds 3]
         [--llamacpp-formats ...] [--llamacpp-n-batch 2048] [--llamacpp-n-ubatch 2048]
         [--skip served startup run-batch] [--check] [--peer-dir ~/.cache/pagebus/peers]
 
@@ -11,15 +11,18 @@ In order: the machine (CPU model and flags, torch, load average); its ceilings, 
 bench/peer_runners/ceilings.py (dense matmul FLOP/s in float32 and bfloat16, at a large square size
 and at this model's shapes; the float32 FMA peak of the cores; DRAM GB/s of a large copy, read +
 write); then every engine on the same token-id prompts, greedy, EOS ignored, timed by one protocol
-(bench/peer_runners/_harness.py):
+(bench/peer_runners/_harness.py), all engines loaded at once and their runs interleaved
+(bench/interleave.py): --rounds rounds, each timing every engine once, the order rotating:
 - offline, for each --num-requests n: n prompts submitted at once; output tok/s of the batch (the
-  median of --offline-repeats timed runs, each on prompts of its own).
-- single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1), and end to end.
+  median over rounds, each round on prompts of its own).
+- single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1) within a round
+  (the median over rounds), and end to end.
+Every ratio between two engines is paired: the median over rounds of the ratio within a round.
 Engines: pagebus through LLM.generate (in this process) and through `pagebus run-batch` (the
-multi-process engine; offline only, on the same prompts, each timed run alternating with
-LLM.generate's); HF transformers `generate`; llama.cpp
-(llama-cpp-python) on each GGUF of --llamacpp-formats; vLLM CPU (eager). Each peer runs its driver
-under its own venv's python; prefix caching is off and every timed run gets prompts no run has seen.
+multi-process engine, a fresh one each run; offline only, on the same prompts); HF transformers
+`generate`; llama.cpp (llama-cpp-python) on each GGUF of --llamacpp-formats; vLLM CPU (eager).
+Each peer runs its driver under its own venv's python, kept loaded between its runs; prefix
+caching is off and every timed run gets prompts no run has seen.
 --dtype auto: bfloat16 where the CPU has native bf16 (AVX-512 BF16 or AMX), float32 elsewhere (bf16
 is emulated there); pagebus, HF and vLLM run it. llama.cpp runs every format worth trying: F32, F16,
 Q8_0 and the Q4_1 original, and BF16 too where bf16 is native.
@@ -58,18 +61,20 @@ from typing import Any
 
 from bench import serve_peers
 from bench.common import emit, log, setup_logging
-from bench.peer_runners import ceilings
-from bench.peer_runners._harness import (
-    WARMUP_TOKENS,
-    Generate,
-    measure_single,
-    offline_plan,
-    offline_result,
-    variant,
+from bench.interleave import (
+    Engine,
+    EngineFailed,
+    Interleaved,
+    LocalEngine,
+    PeerEngine,
+    RunBatchEngine,
+    paired,
 )
+from bench.peer_runners import ceilings
+from bench.peer_runners._harness import Generate
 from bench.ports import free_port
 from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype
-from bench.throughput import make_prompts, run_batch
+from bench.throughput import make_prompts
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
 FLOORS = Path(__file__).resolve().parent / "peer_floors.json"
@@ -106,73 +111,80 @@ def _pagebus_version() -> str | None:
         return None
 
 
-def run_pagebus(
-    job: dict[str, Any], dtype: str, kv_cache_dtype: str, quantization: str | None, batch: bool
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """pagebus through LLM.generate (offline and single stream) and, where `batch`, through `pagebus
-    run-batch` on the same timed prompts (its time is run-batch's own summary line: engine start-up
-    and shutdown excluded, reported as process_s). Each timed offline run of one path is followed
-    by the other's on the same prompts, the order swapped every repeat, so that the box's drift
-    over minutes falls on both alike. Run one path's repeats after the other's, the process split
-    read 0.89 in a run where four alternated pairs of 32 requests, minutes later, gave run-batch /
-    LLM.generate 1.00, 0.995, 1.10 and 1.12 (a worker busy 98% of run-batch's wall time, the
-    scheduler, tokenizer and frontend 1.2% between them)."""
-    t = time.perf_counter()
-    generate, llm = pagebus_generate(dtype, kv_cache_dtype, quantization)
-    result: dict[str, Any] = {"engine": "pagebus", "path": "LLM.generate", "version": _pagebus_version(), "dtype": dtype,
-              "kv_cache_dtype": kv_cache_dtype, "quantization": quantization}  # fmt: skip
-    result["load_s"] = round(time.perf_counter() - t, 2)
-    # no prefix caching, as pagebus_generate and the peers: the process split compares like with like
-    opts = argparse.Namespace(
-        dtype=dtype, max_num_batched_tokens=2048, max_inflight=256, model=None, kv_cache_dtype=kv_cache_dtype,
-        enable_prefix_caching=False, quantization=quantization,
-    )  # fmt: skip
-    llm_by: dict[str, Any] = {}
-    batch_by: dict[str, Any] = {}
-    batch_error = None if batch else "skipped"  # set by a run-batch failure: LLM.generate goes on alone
+def start_engines(
+    args: argparse.Namespace, job: dict[str, Any], engines: dict[str, dict[str, Any]], closers: list[Any]
+) -> list[Engine]:
+    """pagebus (LLM.generate here, and run-batch) and every peer configuration, loaded; what failed to
+    load, or is not set up, goes straight into `engines` with its reason. `closers` gets what must
+    be shut down after the runs."""
+    started: list[Engine] = []
+    meta = {"engine": "pagebus", "version": _pagebus_version(), "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}  # fmt: skip
+    log.info("pagebus (%s): loading", args.dtype)
+    t, load = time.perf_counter(), _load()
     try:
-        for n, warm, timed in offline_plan(job["offline_sizes"], job.get("offline_repeats", 1)):
-            prompts = job["prompts"][:n]
-            generate(variant(prompts, warm), WARMUP_TOKENS)
-            llm_s: list[float] = []
-            counts: list[list[int]] = []
-            runs: list[dict[str, Any]] = []
-            for i, v in enumerate(timed):
-                p = variant(prompts, v)
-                order = ("llm", "batch") if i % 2 == 0 else ("batch", "llm")
-                for path in order if batch_error is None else ("llm",):
-                    if path == "batch":
-                        try:
-                            runs.append(run_batch(opts, [(ids, job["output_len"]) for ids in p]))
-                        except Exception as e:  # LLM.generate's figures still count
-                            log.exception("run-batch failed")
-                            batch_error = f"{type(e).__name__}: {e}"
-                        continue
-                    t0 = time.perf_counter()
-                    counts.append(generate(p, job["output_len"]))
-                    llm_s.append(time.perf_counter() - t0)
-            llm_by[str(n)] = offline_result(prompts, llm_s, sum(counts[0]))
-            if batch_error is None:
-                batch_by[str(n)] = offline_result(
-                    prompts, [r["elapsed_s"] for r in runs], runs[0]["output_tokens"]
-                )
-                batch_by[str(n)] |= {
-                    "ok": runs[0]["ok"],
-                    "failed": runs[0]["failed"],
-                    "process_s": runs[0]["process_s"],
-                }
-        first = str(job["offline_sizes"][0])
-        result |= {"offline": llm_by[first], "offline_by_size": llm_by}
-        result["single"] = measure_single(generate, job["single_prompt"], job["single_output_len"])
+        generate, llm = pagebus_generate(args.dtype, args.kv_cache_dtype, args.quantization)
+        closers.append(llm)
+        engines["pagebus"] = {"loadavg_1m_at_start": load, "path": "LLM.generate"} | meta | {
+            "load_s": round(time.perf_counter() - t, 2)}  # fmt: skip
+        started.append(LocalEngine("pagebus", generate))
+    except Exception as e:  # still report the peers
+        log.exception("pagebus failed")
+        engines["pagebus"] = {"error": f"{type(e).__name__}: {e}"}
+    if "run-batch" not in args.skip:
+        # no prefix caching, as pagebus_generate and the peers: the process split compares like with like
+        opts = argparse.Namespace(
+            dtype=args.dtype, max_num_batched_tokens=2048, max_inflight=256, model=None,
+            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, quantization=args.quantization,
+        )  # fmt: skip
+        engines["pagebus_run_batch"] = {"path": "run-batch"} | meta
+        started.append(RunBatchEngine("pagebus_run_batch", opts))
+    peer_dir = Path(args.peer_dir).expanduser()
+    for peer in args.peers:
+        manifest = load_manifest(peer_dir, peer)
+        if manifest is None:
+            engines[peer] = {"skipped": NOT_SET_UP, "peer_dir": str(peer_dir)}
+            continue
+        for name, cfg in peer_configs(peer, manifest, args).items():
+            log.info("%s: loading %s", name, cfg["model"])
+            load = _load()  # the machine may be shared: record how busy it was as each engine started
+            try:
+                cmd = [manifest["python"], str(RUNNERS / f"{peer}_runner.py")]
+                eng = PeerEngine(name, cmd, peer_env(manifest), job | cfg, args.peer_timeout)
+            except EngineFailed as e:
+                engines[name] = {"error": str(e), "model": cfg["model"]}
+                continue
+            closers.append(eng)
+            engines[name] = {"loadavg_1m_at_start": load} | eng.loaded | {"model": cfg["model"]}
+            started.append(eng)
+    return started
+
+
+def measure_engines(
+    args: argparse.Namespace, job: dict[str, Any], sizes: list[int]
+) -> dict[str, dict[str, Any]]:
+    """Every engine's offline and single-stream figures, timed in interleaved rounds
+    (bench/interleave.py), with what each engine reported at load."""
+    engines: dict[str, dict[str, Any]] = {}
+    closers: list[Any] = []
+    try:
+        started = start_engines(args, job, engines, closers)
+        runs = Interleaved(started, args.rounds)
+        log.info("offline: %s x %d in x %d out, %d rounds of %s", sizes, args.input_len, args.output_len,
+                 args.rounds, [e.name for e in started])  # fmt: skip
+        runs.run_offline(job["prompts"], sizes, job["output_len"])
+        log.info("single stream: %d rounds", args.rounds)
+        runs.run_single(job["single_prompt"], job["single_output_len"])
+        for name, res in runs.results().items():
+            engines[name] = {k: v for k, v in engines[name].items() if "error" not in res} | res
+        if "offline_by_size" in engines.get("pagebus_run_batch", {}):
+            engines["pagebus_run_batch"]["interleaved_with"] = [
+                e.name for e in started if e.name != "pagebus_run_batch"
+            ]
     finally:
-        if hasattr(llm, "shutdown"):  # release its threads/processes before the peers take the cores
-            llm.shutdown()
-    if not batch:
-        return result, None
-    if batch_error is not None:
-        return result, {"engine": "pagebus", "path": "run-batch", "error": batch_error}
-    return result, {"engine": "pagebus", "path": "run-batch", "dtype": dtype, "offline": batch_by[first],
-                    "offline_by_size": batch_by, "interleaved_with": "LLM.generate"}  # fmt: skip
+        for c in reversed(closers):  # release their threads and processes before the next part
+            (c.shutdown if hasattr(c, "shutdown") else c.close)()
+    return engines
 
 
 # --------------------------------------------------------------------------------------------- peers
@@ -313,14 +325,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(engines: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str, dict[str, float | None]]:
-    """pagebus (LLM.generate) / each peer that ran: offline per size, single stream decode and e2e."""
+    """pagebus (LLM.generate) / each peer that ran: offline per size and single stream decode paired
+    by round (bench/interleave.py paired), single stream end to end as the ratio of the medians."""
     pb = engines.get("pagebus", {})
     out = {}
     for name, r in engines.items():
         if name.startswith("pagebus") or "error" in r or "skipped" in r:
             continue
-        out[name] = {f"offline_{n}_output_tokens_per_s": ratio(_tps(pb, n), _tps(r, n)) for n in sizes} | {
-            "single_decode_tokens_per_s": ratio(_tps(pb), _tps(r)),
+        out[name] = {f"offline_{n}_output_tokens_per_s": paired(pb, r, n) for n in sizes} | {
+            "single_decode_tokens_per_s": paired(pb, r, None),
             "single_output_tokens_per_s": ratio(
                 pb.get("single", {}).get("output_tokens_per_s"), r.get("single", {}).get("output_tokens_per_s")
             ),
@@ -348,9 +361,9 @@ def targets(
         }
         offline[str(n)] = {
             "output_tokens_per_s": {k: _tps(r, n) for k, r in per_path.items()},
-            "vs_vllm": {k: ratio(_tps(r, n), _tps(engines.get("vllm", {}), n)) for k, r in per_path.items()},
+            "vs_vllm": {k: paired(r, engines.get("vllm", {}), n) for k, r in per_path.items()},
             "vs_llamacpp_best": {"engine": best if best and _tps(llamacpp[best], n) else None}
-            | {k: ratio(_tps(r, n), _tps(llamacpp[best], n) if best else None) for k, r in per_path.items()},
+            | {k: paired(r, llamacpp[best], n) if best else None for k, r in per_path.items()},
             "workload_gflop": round(work_flops / 1e9, 1),
             "compute_ceiling_gflops": round(flops_peak / 1e9, 1),
             "compute_fraction": {k: round(work_flops / t / flops_peak, 3) if t else None for k, t in elapsed.items()},
@@ -370,14 +383,14 @@ def targets(
     decode = _tps(pb)
     single = {
         "decode_tokens_per_s": decode,
-        "vs_llamacpp_same_precision": {"engine": same, "ratio": ratio(decode, _tps(engines.get(same, {})))},
-        "vs_llamacpp_f16": ratio(decode, _tps(engines.get("llamacpp_f16", {}))),
+        "vs_llamacpp_same_precision": {"engine": same, "ratio": paired(pb, engines.get(same, {}), None)},
+        "vs_llamacpp_f16": paired(pb, engines.get("llamacpp_f16", {}), None),
         "weight_bytes_per_token": model["weight_bytes_per_token"],
         "dram_gb_per_s": ceil["dram_gb_per_s"],
         "bandwidth_ceiling_tokens_per_s": round(dram / model["weight_bytes_per_token"], 1),
         "bandwidth_fraction": round(decode * model["weight_bytes_per_token"] / dram, 3) if decode else None,
     }
-    split = {str(n): ratio(_tps(batch, n), _tps(pb, n)) for n in opts.num_requests}
+    split = {str(n): paired(batch, pb, n) for n in opts.num_requests}
     return {
         "offline": offline,
         "single": single,
@@ -491,14 +504,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-compiled", action="store_true", help="torch.compile vLLM (+64-96 s start)")
     ap.add_argument("--ceiling-seconds", type=float, default=1.0, help="time per ceiling measurement")
     ap.add_argument("--ceiling-square", type=int, default=2048, help="matmul size of the FLOP/s ceiling")
-    ap.add_argument("--offline-repeats", type=_positive, default=1,
-                    help="timed runs of each offline batch per engine, the median kept (3 for a claim: "
-                         "one run on these shared machines swings 5-10%%)")  # fmt: skip
+    ap.add_argument("--rounds", "--offline-repeats", type=_positive, default=3, dest="rounds",
+                    help="rounds of timed runs: each round times every engine once per offline size and "
+                         "single stream, the order rotating; medians kept, ratios paired by round "
+                         "(one run on these shared machines swings 10-30%%)")  # fmt: skip
     ap.add_argument("--startup-runs", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE)
     ap.add_argument("--check", action="store_true", help=f"exit 1 when a floor of {FLOORS.name} is not met")
     serve_peers.add_args(ap, prefix="serve-")
     args = ap.parse_args()
+    if args.rounds > 29:  # the single stream's prompt variants run out (_harness.single_plan)
+        ap.error(f"--rounds: at most 29, got {args.rounds}")
     args.requested_dtype = args.dtype
     args.dtype = pick_dtype(args.dtype)
     args.pagebus_flags = pagebus_flags(args) + args.pagebus_flags  # served as run offline
@@ -524,33 +540,8 @@ def main() -> None:
     job = {
         "prompts": [ids for ids, _ in work], "output_len": args.output_len, "offline_sizes": sizes,
         "single_output_len": args.single_output_len, "single_prompt": single, "modes": ["offline", "single"],
-        "offline_repeats": args.offline_repeats,
     }  # fmt: skip
-    engines: dict[str, dict[str, Any]] = {}
-    log.info("pagebus (%s): %s x %d in x %d out", args.dtype, sizes, args.input_len, args.output_len)
-    batch = "run-batch" not in args.skip
-    load = _load()
-    try:
-        llm_result, batch_result = run_pagebus(job, args.dtype, args.kv_cache_dtype, args.quantization, batch)
-        engines["pagebus"] = {"loadavg_1m_at_start": load} | llm_result
-        if batch_result is not None:
-            engines["pagebus_run_batch"] = {"loadavg_1m_at_start": load} | batch_result
-    except Exception as e:  # still report the peers
-        log.exception("pagebus failed")
-        engines["pagebus"] = {"error": f"{type(e).__name__}: {e}"}
-        if batch:
-            engines["pagebus_run_batch"] = {"error": f"{type(e).__name__}: {e}"}
-    peer_dir = Path(args.peer_dir).expanduser()
-    for peer in args.peers:
-        manifest = load_manifest(peer_dir, peer)
-        if manifest is None:
-            engines[peer] = {"skipped": NOT_SET_UP, "peer_dir": str(peer_dir)}
-            continue
-        for name, cfg in peer_configs(peer, manifest, args).items():
-            log.info("%s: %s", name, cfg["model"])
-            load = _load()  # the machine may be shared: record how busy it was as each engine started
-            result = run_peer(peer, manifest, job | cfg, args.peer_timeout)
-            engines[name] = {"loadavg_1m_at_start": load} | result | {"model": cfg["model"]}
+    engines = measure_engines(args, job, sizes)
     tgt = targets(engines, ceil, model, args)
     if "startup" not in args.skip:
         log.info("start-up of pagebus serve (%d runs)", args.startup_runs)

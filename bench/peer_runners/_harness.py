@@ -21,6 +21,11 @@ Each mode is warmed up first with the same batch shape and 4 new tokens (exclude
 Every run gets prompts no earlier run has seen (the token ids shifted, see offline_plan), so an
 engine's prefix cache cannot skip a prefill it did in the warm-up; engines are also told to turn
 theirs off.
+
+Interactive ("interactive": true in the job): the driver loads, prints one line ({"engine",
+"version", "load_s"} or {"error"}), then answers one command a line on stdin, {"prompts": [...],
+"max_tokens": n}, with one line {"elapsed_s", "counts"} (or {"error"}), until stdin closes. The
+caller (bench/interleave.py) then composes the runs above itself, one engine's run after another's.
 """
 
 from __future__ import annotations
@@ -61,6 +66,15 @@ def offline_plan(sizes: list[int], repeats: int = 1) -> list[tuple[int, int, lis
     return [
         (n, 5 + 2 * i, [6 + 2 * i] + [100 + i * extra + r for r in range(extra)]) for i, n in enumerate(sizes)
     ]
+
+
+def single_plan(rounds: int) -> tuple[int, list[tuple[int, int]]]:
+    """The single stream's variants when it is timed in `rounds` rounds: (warm-up, [(first-token
+    run, timed run) a round]). Round 0 keeps measure_single's 3 and 4; later rounds take pairs from
+    42 on, inside the single stream's 40-99, so at most 29 rounds."""
+    if not 1 <= rounds <= 29:
+        raise ValueError(f"single stream rounds must be 1-29, got {rounds}")
+    return 2, [(3, 4)] + [(40 + 2 * r, 41 + 2 * r) for r in range(1, rounds)]
 
 
 def _timed(generate: Generate, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
@@ -133,9 +147,29 @@ def measure(job: dict[str, Any], generate: Generate) -> dict[str, Any]:
     return result
 
 
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve_commands(generate: Generate) -> None:
+    """Interactive mode after the load: one timed generate a command line, until stdin closes."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        try:
+            t, counts = _timed(generate, cmd["prompts"], int(cmd["max_tokens"]))
+            _say({"elapsed_s": t, "counts": counts})
+        except Exception as e:  # the caller drops this engine from the later runs
+            traceback.print_exc()
+            _say({"error": f"{type(e).__name__}: {e}"})
+
+
 def run_driver(engine: str, version: str, load: Callable[[dict[str, Any]], Generate]) -> None:
-    """A peer driver's main: job from stdin, one JSON result on stdout, errors as JSON too."""
-    job = json.load(sys.stdin)
+    """A peer driver's main: the job (one line) from stdin, one JSON result on stdout, errors as
+    JSON too; in interactive mode the load's line, then serve_commands."""
+    job = json.loads(sys.stdin.readline())
     try:
         t = time.perf_counter()
         generate = load(job)
@@ -144,9 +178,12 @@ def run_driver(engine: str, version: str, load: Callable[[dict[str, Any]], Gener
             "version": version,
             "load_s": round(time.perf_counter() - t, 2),
         }
+        if job.get("interactive"):
+            _say(result)
+            serve_commands(generate)
+            return
         result |= measure(job, generate)
     except Exception as e:  # the caller records the error and goes on with the other peers
         traceback.print_exc()
         result = {"engine": engine, "error": f"{type(e).__name__}: {e}"}
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    _say(result)

@@ -27,7 +27,7 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
         ["-m", "bench.peers", "--num-requests", str(N), str(N2), "--input-len", str(IN),
          "--output-len", str(OUT), "--single-input-len", str(SINGLE_IN), "--single-output-len", str(SINGLE_OUT),
          "--peer-dir", str(missing), "--ceiling-seconds", "0.05", "--ceiling-square", "128",
-         "--offline-repeats", "3", "--skip", "startup", "served"],
+         "--rounds", "3", "--skip", "startup", "served"],
         timeout=480,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -63,9 +63,13 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     assert pb["offline_by_size"][str(N)] == off
     assert pb["offline_by_size"][str(N2)]["output_tokens"] == N2 * OUT
     assert single["input_tokens"] == SINGLE_IN and single["output_tokens"] == SINGLE_OUT
-    # run-batch: the same prompts through the processes, each size.
+    # one decode rate a round (its own first-token and full runs), the median kept
+    assert len(single["decode_runs_tokens_per_s"]) == 3
+    assert single["decode_tokens_per_s"] == sorted(single["decode_runs_tokens_per_s"])[1]
+    # run-batch: the same prompts through the processes, each size, its runs interleaved with LLM.generate's.
     rb = doc["engines"]["pagebus_run_batch"]
     assert "error" not in rb, rb
+    assert rb["interleaved_with"] == ["pagebus"] and "single" not in rb
     for n in (N, N2):
         assert (
             rb["offline_by_size"][str(n)]["ok"] == n

@@ -1,0 +1,307 @@
+"""Every engine loaded at once, then their timed runs interleaved, one engine's run after another's.
+
+These shared 2-vCPU boxes change speed by 10-30% from one minute to the next (the same 64-request
+batch took 27.7-33.4 s in one process over 25 minutes). Engines timed one after the other, minutes
+apart, compared the box's moods more than the engines. Here each round times every engine once on
+the same prompts, the order rotating from round to round, and a ratio between two engines is the
+median over rounds of the ratio within a round (see `paired`), runs a minute or two apart.
+
+The protocol is bench/peer_runners/_harness.py's: each size is warmed up with 4 new tokens, every
+timed run gets prompts of its own (offline_plan, single_plan), and an engine's figures have the
+shapes of a peer driver's result ("offline", "offline_by_size", "single"). Engines here:
+- `LocalEngine`: a generate function in this process (pagebus's LLM.generate);
+- `PeerEngine`: a peer's driver kept running in interactive mode (its venv's python);
+- `RunBatchEngine`: `pagebus run-batch`, a fresh multi-process engine each run (offline only; its
+  time is run-batch's own summary line, start-up excluded), so it takes no warm-up.
+An engine whose run fails is reported with its error and left out of the later runs. Each timed
+run also records the CPU seconds the idle engines' processes used meanwhile, which should be ~0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from bench.peer_runners._harness import (
+    WARMUP_TOKENS,
+    Generate,
+    offline_plan,
+    offline_result,
+    single_plan,
+    variant,
+)
+
+RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+class Engine(Protocol):
+    name: str
+    warm_up: bool  # False: every run starts a fresh engine, a warm-up would warm nothing
+    single: bool  # whether it takes part in the single stream
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        """(seconds, new tokens per prompt); EngineFailed when it cannot."""
+        ...
+
+    def cpu_s(self) -> float:
+        """CPU seconds its processes have used so far (checked around the others' runs)."""
+        ...
+
+    def extra(self) -> dict[str, Any]:
+        """Figures of its last run beyond the time (run-batch: ok, failed, process_s)."""
+        ...
+
+
+class LocalEngine:
+    def __init__(self, name: str, generate: Generate) -> None:
+        self.name, self._generate = name, generate
+        self.warm_up, self.single = True, True
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        t = time.perf_counter()
+        try:
+            counts = self._generate(prompts, max_tokens)
+        except Exception as e:
+            raise EngineFailed(f"{type(e).__name__}: {e}") from e
+        return time.perf_counter() - t, counts
+
+    def cpu_s(self) -> float:
+        t = psutil.Process().cpu_times()  # this process alone: the peers' drivers are its children
+        return t.user + t.system
+
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+
+class RunBatchEngine:
+    def __init__(self, name: str, opts: argparse.Namespace) -> None:
+        self.name, self.opts = name, opts
+        self.warm_up, self.single = False, False
+        self._extra: dict[str, Any] = {}
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        from bench.throughput import run_batch
+
+        try:
+            r = run_batch(self.opts, [(p, max_tokens) for p in prompts])
+        except Exception as e:
+            raise EngineFailed(f"{type(e).__name__}: {e}") from e
+        self._extra = {"ok": r["ok"], "failed": r["failed"], "process_s": r["process_s"]}
+        return r["elapsed_s"], [int(r["output_tokens"])]  # one total: offline_result only sums them
+
+    def cpu_s(self) -> float:
+        return 0.0  # nothing of it runs between its runs
+
+    def extra(self) -> dict[str, Any]:
+        return self._extra
+
+
+class PeerEngine:
+    """A peer's driver in interactive mode: loaded once, then one command line a timed run."""
+
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], job: dict[str, Any], timeout: float
+    ) -> None:
+        """cmd: the driver, e.g. [the peer's python, RUNNERS / "llamacpp_runner.py"]; it runs in RUNNERS."""
+        self.name, self.timeout = name, timeout
+        self.warm_up, self.single = True, True
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env, cwd=RUNNERS, bufsize=1,
+        )  # fmt: skip
+        self.tail: collections.deque[str] = collections.deque(maxlen=15)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._relay, daemon=True).start()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.loaded = self._ask(job | {"interactive": True})  # {"engine", "version", "load_s"}
+        except EngineFailed:
+            self.close()
+            raise
+
+    def _relay(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            sys.stderr.write(f"[{self.name}] {line}")
+            self.tail.append(line.rstrip())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):  # anything else a library printed is not ours
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            line = self._lines.get(timeout=self.timeout)
+        except (OSError, queue.Empty) as e:
+            self.close()
+            raise EngineFailed(f"{self.name}: no answer ({type(e).__name__}): {list(self.tail)[-8:]}") from e
+        if line is None:
+            self.close()
+            raise EngineFailed(f"{self.name} exited {self.proc.returncode}: {list(self.tail)[-8:]}")
+        out: dict[str, Any] = json.loads(line)
+        if "error" in out:
+            raise EngineFailed(out["error"])
+        return out
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        out = self._ask({"prompts": prompts, "max_tokens": max_tokens})
+        return out["elapsed_s"], out["counts"]
+
+    def cpu_s(self) -> float:
+        """The driver and whatever it started (vLLM's engine core)."""
+        total = 0.0
+        try:
+            p = psutil.Process(self.proc.pid)
+            for q in [p, *p.children(recursive=True)]:
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+        return total
+
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def rotated(engines: Sequence[Engine], r: int) -> list[Engine]:
+    """Round r's order: each engine takes each place in turn, so none always runs first or last."""
+    k = r % len(engines) if engines else 0
+    return [*engines[k:], *engines[:k]]
+
+
+class Interleaved:
+    """The runs of one measurement; `results()` gives each engine's figures or its error."""
+
+    def __init__(self, engines: Sequence[Engine], rounds: int) -> None:
+        if rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {rounds}")
+        self.engines, self.rounds = list(engines), rounds
+        self.errors: dict[str, str] = {}
+        self.offline: dict[str, dict[str, Any]] = {e.name: {} for e in engines}
+        self.single: dict[str, dict[str, Any]] = {}
+        self.others_cpu_s: dict[str, float] = {e.name: 0.0 for e in engines}  # most while it ran
+
+    def _live(self, which: Sequence[Engine]) -> list[Engine]:
+        return [e for e in which if e.name not in self.errors]
+
+    def _run(self, e: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]] | None:
+        others = [o for o in self._live(self.engines) if o is not e]
+        before = sum(o.cpu_s() for o in others)
+        try:
+            out = e.generate(prompts, max_tokens)
+        except EngineFailed as err:
+            self.errors[e.name] = str(err)
+            return None
+        used = sum(o.cpu_s() for o in others) - before
+        self.others_cpu_s[e.name] = max(self.others_cpu_s[e.name], round(used, 3))
+        return out
+
+    def run_offline(self, prompts: list[list[int]], sizes: list[int], output_len: int) -> None:
+        for n, warm, timed in offline_plan(sizes, self.rounds):
+            base = prompts[:n]
+            for e in self._live(self.engines):
+                if e.warm_up:
+                    self._run(e, variant(base, warm), WARMUP_TOKENS)
+            runs: dict[str, list[tuple[float, list[int], dict[str, Any]]]] = {
+                e.name: [] for e in self.engines
+            }
+            for r, v in enumerate(timed):
+                for e in rotated(self._live(self.engines), r):
+                    if (out := self._run(e, variant(base, v), output_len)) is not None:
+                        runs[e.name].append((*out, e.extra()))
+            for e in self._live(self.engines):
+                got = runs[e.name]
+                res = offline_result(base, [t for t, _, _ in got], sum(got[0][1]))
+                self.offline[e.name][str(n)] = res | got[0][2]
+
+    def run_single(self, prompt: list[int], output_len: int) -> None:
+        warm, plan = single_plan(self.rounds)
+        singles = [e for e in self._live(self.engines) if e.single]
+        for e in singles:
+            self._run(e, variant([prompt], warm), WARMUP_TOKENS)
+        runs: dict[str, list[tuple[float, float, int]]] = {e.name: [] for e in singles}
+        for r, (v1, vn) in enumerate(plan):
+            for e in rotated(self._live(singles), r):
+                first = self._run(e, variant([prompt], v1), 1)
+                full = self._run(e, variant([prompt], vn), output_len) if first else None
+                if first and full:
+                    runs[e.name].append((first[0], full[0], full[1][0]))
+        for e in self._live(singles):
+            got = runs[e.name]
+            t1s, tns, out = [a for a, _, _ in got], [b for _, b, _ in got], got[0][2]
+            rates = [(out - 1) / (tn - t1) for t1, tn, _ in got if out > 1 and tn > t1]
+            tn = statistics.median(tns)
+            self.single[e.name] = {
+                "input_tokens": len(prompt),
+                "output_tokens": out,
+                "elapsed_s": round(tn, 3),
+                "elapsed_runs_s": [round(t, 3) for t in tns],
+                "first_token_s": round(statistics.median(t1s), 4),
+                "output_tokens_per_s": round(out / tn, 2),
+                # per round: (n - 1) / (t_n - t_1) of that round's two runs; the median kept
+                "decode_tokens_per_s": round(statistics.median(rates), 2) if rates else None,
+                "decode_runs_tokens_per_s": [round(x, 2) for x in rates],
+            }
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for e in self.engines:
+            if e.name in self.errors:
+                out[e.name] = {"error": self.errors[e.name]}
+                continue
+            res: dict[str, Any] = {"others_cpu_s_max": self.others_cpu_s[e.name]}
+            if by_size := self.offline[e.name]:
+                res |= {"offline": next(iter(by_size.values())), "offline_by_size": by_size}
+            if e.name in self.single:
+                res["single"] = self.single[e.name]
+            out[e.name] = res
+        return out
+
+
+def runs_tps(r: dict[str, Any], n: int | None) -> list[float]:
+    """Per-round throughputs: offline output tok/s at size n, or single-stream decode tok/s."""
+    if n is None:
+        return list((r.get("single") or {}).get("decode_runs_tokens_per_s") or [])
+    off = (r.get("offline_by_size") or {}).get(str(n)) or {}
+    return [off["output_tokens"] / t for t in off.get("elapsed_runs_s", []) if t > 0]
+
+
+def paired(a: dict[str, Any], b: dict[str, Any], n: int | None) -> float | None:
+    """a's throughput over b's, the median over rounds of the two engines' runs in the same round;
+    None where either has no runs or their rounds do not line up."""
+    ra, rb = runs_tps(a, n), runs_tps(b, n)
+    if not ra or len(ra) != len(rb):
+        return None
+    return round(statistics.median(x / y for x, y in zip(ra, rb, strict=True)), 3)
