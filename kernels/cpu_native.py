@@ -543,9 +543,21 @@ def direct_linear_tiles(
     return call
 
 
+@functools.cache
 def tiles_matmul_address() -> int:
     """The address of the C++ tile matmul taking (x, [tiles]), for the decode stack."""
     return int(native_ops().tiles_matmul_address())
+
+
+def gate_up_silu(x: torch.Tensor, native_mm: tuple[int, list[torch.Tensor]]) -> torch.Tensor | None:
+    """silu(x . gate) * (x . up) straight from a gate_up weight held as tiles (`native_mm`: its
+    Linear's), without storing the [T, 2d] matmul output for a second pass to read: bitwise what
+    the matmul then silu_and_mul give. None where that path does not apply (another kernel or
+    dtype, MKL's GEMM rows): the caller runs the two calls."""
+    fn, weights = native_mm
+    if fn != tiles_matmul_address() or len(weights) != 1 or x.dtype is not torch.float32 or x.dim() != 2:
+        return None
+    return native_ops().gate_up_silu(x if x.stride(1) == 1 else x.contiguous(), weights[0])
 
 
 def decode_stack(heads: int, kv_heads: int, scale: float, eps: float) -> Any:

@@ -47,6 +47,9 @@ class Ops:
     # (shape, dtype, device, zeros) -> a zeroed cache in the storage the backend reads best, its
     # memory from zeros(shape, dtype) on CPUs; None: torch.zeros
     new_kv_cache: Callable[..., torch.Tensor] | None = None
+    # (x, a gate_up Linear's native_mm) -> silu(gate) * up without the matmul's output in memory,
+    # or None where it does not apply; None: the backend has none (matmul, then silu_and_mul)
+    gate_up_silu: Callable[[torch.Tensor, tuple[int, list[torch.Tensor]]], torch.Tensor | None] | None = None
 
     def fused_decode_attention(
         self,
@@ -105,7 +108,7 @@ def cpu_ops() -> Ops:
 
     return Ops(
         "cpu", n.rms_norm, n.rotary_embedding, n.silu_and_mul, n.write_kv_cache, n.paged_attention,
-        n.qkv_decode_attention, n.decode_stack, n.k_cache_shape, n.new_kv_cache,
+        n.qkv_decode_attention, n.decode_stack, n.k_cache_shape, n.new_kv_cache, n.gate_up_silu,
     )  # fmt: skip
 
 

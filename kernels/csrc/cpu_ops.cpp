@@ -2189,6 +2189,66 @@ static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M,
     }
   });
 }
+
+// silu(x . gate) * (x . up) from a gate_up weight's tiles (gate's NT / 2 tiles, then up's), into
+// a [M, NT / 2 * kTile] out of row stride ldo: each gate tile and its up tile run over a row chunk
+// into two small buffers, then their SiLU product is written, so the [M, 2d] gate_up output is
+// never stored and no second pass reads it back. The same row blocks, tile pairs and vector SiLU
+// as tiles_kernel followed by silu_and_mul_rows: bitwise the same result.
+template <typename W>
+static void gate_up_silu_kernel(const float* xp, int64_t ldx, const W* w, float* op, int64_t ldo, int64_t M, int64_t K,
+                                int64_t NT) {
+  const int64_t half = NT / 2, steps = K / TileStep<float>::kStep, tile_elems = K * kTile;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  auto product = [&](const float* g, const float* u, int64_t rows, float* o) {  // g, u: [rows, kTile]
+    for (int64_t r = 0; r < rows; ++r) silu_and_mul_vectors(g + r * kTile, u + r * kTile, o + r * ldo, kTile);
+  };
+  if (M <= kFewRows) {  // tiles_kernel's pairs (t, t + NT / 2) are exactly (gate t, up t)
+    const int64_t g = std::max<int64_t>(1, half / (kClaimsPerThread * threads));
+    for_each_claim((half + g - 1) / g, [&](int64_t c, int64_t) {
+      alignas(64) float gb[kFewRows * kTile], ub[kFewRows * kTile];
+      for (int64_t p = c * g; p < std::min(half, (c + 1) * g); ++p) {
+        few_rows<float, W>(M, xp, ldx, w + p * tile_elems, w + (p + half) * tile_elems, gb, ub, kTile, steps);
+        product(gb, ub, M, op + p * kTile);
+      }
+    });
+    return;
+  }
+  // tiles_kernel's row chunks, row blocks and prefetching, a claim being g pairs of one chunk
+  const int64_t chunk = std::max<int64_t>(64, (393216 / (K * static_cast<int64_t>(sizeof(float)))) / kRowBlock * kRowBlock);
+  constexpr int64_t E = kTile * TileStep<float>::kStep, step_bytes = E * static_cast<int64_t>(sizeof(W));
+  const int64_t g = std::max<int64_t>(1, half / (kClaimsPerThread * threads)), per_chunk = (half + g - 1) / g;
+  const int64_t chunks = (M + chunk - 1) / chunk;
+  for_each_claim(chunks * per_chunk, [&](int64_t c, int64_t after) {
+    thread_local std::vector<float> gbuf, ubuf;
+    gbuf.resize(static_cast<size_t>(chunk * kTile));
+    ubuf.resize(static_cast<size_t>(chunk * kTile));
+    const int64_t r0 = c / per_chunk * chunk, t0 = c % per_chunk * g, t1 = std::min(half, t0 + g);
+    const int64_t rows = std::min(chunk, M - r0);
+    const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock, slice = (steps + blocks - 1) / blocks;
+    const int64_t base = rows / blocks, extra = rows % blocks;
+    auto run_tile = [&](const W* wt, const W* nt, float* buf) {
+      for (int64_t b = 0, r = 0; b < blocks; ++b) {
+        const int64_t s0 = b * slice, pf = nt != nullptr ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
+        const int64_t m = base + (b < extra);
+        row_block<float, W>(m, xp + (r0 + r) * ldx, ldx, wt, buf + r * kTile, kTile, steps,
+                            nt != nullptr ? nt + s0 * E : nullptr, (pf * step_bytes + 63) / 64);
+        r += m;
+      }
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      const W* wg = w + t * tile_elems;
+      const W* wu = w + (t + half) * tile_elems;
+      // after the up tile: the next pair's gate tile, of this claim or of this thread's next one
+      const W* next = t + 1 < t1                       ? wg + tile_elems
+                      : after < chunks * per_chunk ? w + (after % per_chunk * g) * tile_elems
+                                                     : nullptr;
+      run_tile(wg, wu, gbuf.data());
+      run_tile(wu, next, ubuf.data());
+      product(gbuf.data(), ubuf.data(), rows, op + r0 * ldo + t * kTile);
+    }
+  });
+}
 #endif  // PAGEBUS_SIMD
 
 #ifdef PAGEBUS_AMX
@@ -2465,6 +2525,44 @@ torch::Tensor tiles_matmul(const torch::Tensor& x, const std::vector<torch::Tens
 
 int64_t tiles_matmul_address() { return reinterpret_cast<int64_t>(&tiles_matmul); }
 
+// silu(x . gate) * (x . up) from a gate_up weight's column tiles into out [M, NT / 2 * kTile]:
+// float32 x, float32 or float16 tiles, where tiles_matmul would run the tile kernel; false (out
+// untouched) elsewhere, and the caller runs the matmul and silu_and_mul. Beside the separate
+// calls, Zen 3, interleaved: see gate_up_silu_kernel.
+bool gate_up_silu_into(const torch::Tensor& x, const torch::Tensor& tiles, torch::Tensor& out) {
+#ifdef PAGEBUS_SIMD
+  if (x.scalar_type() != torch::kFloat32 || x.dim() != 2 || x.stride(1) != 1 || x.size(0) == 0 ||
+      !tiles.is_contiguous() || tiles.dim() != 3 || tiles.size(2) != kTile || tiles.size(1) != x.size(1) ||
+      tiles.size(0) % 2 != 0 || !tiles.device().is_cpu())
+    return false;
+  const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M &&
+                  out.size(1) == NT / 2 * kTile && out.stride(1) == 1,
+              "gate_up_silu: out [M, d] float32 with contiguous rows expected");
+  if (tiles.scalar_type() == torch::kFloat32 && M <= max_tile_rows()) {
+    gate_up_silu_kernel<float>(x.data_ptr<float>(), x.stride(0), tiles.data_ptr<float>(), out.data_ptr<float>(),
+                               out.stride(0), M, K, NT);
+    return true;
+  }
+#ifdef PAGEBUS_F16
+  if (tiles.scalar_type() == torch::kHalf) {
+    gate_up_silu_kernel<f16>(x.data_ptr<float>(), x.stride(0), tiles.data_ptr<f16>(), out.data_ptr<float>(),
+                             out.stride(0), M, K, NT);
+    return true;
+  }
+#endif
+#endif
+  return false;
+}
+
+// The same for Python: a new [M, d] tensor, or None where gate_up_silu_into declines.
+c10::optional<torch::Tensor> gate_up_silu(torch::Tensor x, torch::Tensor tiles) {
+  if (x.dim() != 2 || tiles.dim() != 3) return c10::nullopt;
+  auto out = torch::empty({x.size(0), tiles.size(0) / 2 * tiles.size(2)}, x.options());
+  if (!gate_up_silu_into(x, tiles, out)) return c10::nullopt;
+  return out;
+}
+
 struct StackMatmul {
   MatmulFn fn;
   std::vector<torch::Tensor> w;
@@ -2533,10 +2631,18 @@ class DecodeStack {
         auto o = L.o(a).contiguous();
         add_norm_rows<T>(o.data_ptr<T>(), res.data_ptr<T>(), L.post_norm.data_ptr<T>(), res.data_ptr<T>(),
                          h.data_ptr<T>(), M, hid, eps);
-        auto gu = L.gate_up(h).contiguous();
-        const int64_t d = gu.size(1) / 2;
-        if (!act.defined()) act = torch::empty({M, d}, x.options());
-        silu_and_mul_rows<T>(gu.data_ptr<T>(), gu.stride(0), act.data_ptr<T>(), M, d);
+        // the tile kernel's gate_up: its SiLU product straight from the tiles (gate_up_silu_into)
+        bool fused = false;
+        if (L.gate_up.fn == &tiles_matmul && L.gate_up.w.size() == 1 && L.gate_up.w[0].dim() == 3) {
+          if (!act.defined()) act = torch::empty({M, L.gate_up.w[0].size(0) / 2 * kTile}, x.options());
+          fused = gate_up_silu_into(h, L.gate_up.w[0], act);
+        }
+        if (!fused) {
+          auto gu = L.gate_up(h).contiguous();
+          const int64_t d = gu.size(1) / 2;
+          if (!act.defined()) act = torch::empty({M, d}, x.options());
+          silu_and_mul_rows<T>(gu.data_ptr<T>(), gu.stride(0), act.data_ptr<T>(), M, d);
+        }
         x = L.down(act).contiguous();
       }
     });
@@ -2569,6 +2675,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
   m.def("f16_built", &f16_built, "whether float16 caches and weight tiles beside float32 activations are compiled in");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");
+  m.def("gate_up_silu", &gate_up_silu, "silu(x . gate) * (x . up) from gate_up's tiles (None: not on this path)");
   // module_local: two builds (an A/B of kernels) can be loaded in one process
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, double, double>())

@@ -368,6 +368,36 @@ def test_tile_rows_do_not_depend_on_the_rows_beside_them(half: bool) -> None:
         assert torch.equal(native.linear_tiles(x[-rows:], tiles), every[-rows:]), rows
 
 
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 33, 64, 170, 300, 2048])
+@pytest.mark.parametrize(("d", "k"), [(1536, 576), (48, 70), (96, 1536)])
+def test_gate_up_silu_is_the_matmul_then_silu_and_mul(rows: int, d: int, k: int, half: bool) -> None:
+    """The fused gate_up + SiLU product: bitwise the tile matmul followed by silu_and_mul, on the
+    few-rows path (tile pairs), row blocks over several row chunks (2048 rows) and K not a
+    multiple of the vector width; strided rows of x too."""
+    g = torch.Generator().manual_seed(rows * d + k)
+    tiles = native.pack_linear(torch.randn(2 * d, k, generator=g) * 0.1, half=half)
+    assert tiles is not None
+    if not half and rows > native.native_ops().max_tile_rows():
+        pytest.skip("float32 tiles above max_tile_rows go to MKL's GEMM, where the fused path declines")
+    x = torch.randn(rows, 2 * k, generator=g)[:, :k]
+    mm = (native.tiles_matmul_address(), [tiles])
+    got = native.gate_up_silu(x, mm)
+    assert got is not None
+    assert torch.equal(got, native.silu_and_mul(native.linear_tiles(x, tiles)))
+
+
+def test_gate_up_silu_declines_what_it_does_not_run() -> None:
+    tiles = native.pack_linear(torch.randn(96, 64))
+    assert tiles is not None
+    mm = (native.tiles_matmul_address(), [tiles])
+    assert native.gate_up_silu(torch.randn(3, 64, dtype=torch.bfloat16), mm) is None  # not float32 x
+    assert native.gate_up_silu(torch.randn(3, 64), (mm[0] + 1, [tiles])) is None  # another kernel
+    assert native.gate_up_silu(torch.randn(0, 64), mm) is None  # no rows
+    odd = native.pack_linear(torch.randn(48, 64))  # 3 tiles: not a gate and an up of one size
+    assert odd is not None and native.gate_up_silu(torch.randn(3, 64), (mm[0], [odd])) is None
+
+
 BF16_TILES = pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)
 
 

@@ -98,6 +98,9 @@ class MLP(DirectCall):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        fused, mm = fb.ops.gate_up_silu, self.gate_up_proj.native_mm
+        if fused is not None and mm is not None and (act := fused(x, mm)) is not None:
+            return self.down_proj(act)
         return self.down_proj(fb.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
