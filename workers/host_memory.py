@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import mmap
 
 import torch
 
@@ -57,28 +58,40 @@ def keep_freed_memory() -> bool:
 # works the same.
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in as writes would, without writing it
 
 
-def _madvise_huge(addr: int, length: int) -> bool:
+def _madvise(addr: int, length: int, advice: int) -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         madvise = libc.madvise
     except (OSError, AttributeError):
         return False
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise(addr, length, _MADV_HUGEPAGE) == 0
+    return madvise(addr, length, advice) == 0
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, its memory advised into 2 MiB pages before it is
-    first touched (see above). Below one huge page, plain torch.zeros."""
+    first touched (see above). Below one huge page, plain torch.zeros.
+
+    The memory is an anonymous mapping of its own, which the kernel hands out zeroed, faulted in
+    at once (MADV_POPULATE_WRITE) so the first steps do not fault it: no pass of ours writes the
+    zeros again. Zen 3 VM, a 1 GiB float16 cache in 60 tensors, fresh processes alternated:
+    1.10-2.60 s -> 0.73-0.82 s (zero_() over malloc'd memory, which the kernel had zeroed too).
+    """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < _HUGE:
         return torch.zeros(shape, dtype=dtype)
-    # One spare huge page, so that the tensor can start on a 2 MiB boundary of the buffer.
-    buf = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
-    off = -buf.data_ptr() % _HUGE
-    if not _madvise_huge(buf.data_ptr() + off, (nbytes + _HUGE - off) // _HUGE * _HUGE):
+    # One spare huge page, so that the tensor can start on a 2 MiB boundary of the mapping.
+    buf = mmap.mmap(-1, nbytes + _HUGE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    off = -addr % _HUGE
+    length = (nbytes + _HUGE - off) // _HUGE * _HUGE
+    if not _madvise(addr + off, length, _MADV_HUGEPAGE):
         log.debug("madvise(MADV_HUGEPAGE) refused; the KV cache is in ordinary pages")
-    # zero_ touches every page: the kernel faults them in as huge pages, 512 times fewer faults
-    return buf[off : off + nbytes].view(dtype).view(shape).zero_()
+    # the tensor keeps the mapping alive; it is unmapped with the mmap object
+    t = torch.frombuffer(buf, dtype=torch.uint8)[off : off + nbytes].view(dtype).view(shape)
+    if not _madvise(addr + off, length, _MADV_POPULATE_WRITE):
+        t.zero_()  # an older kernel: touching every page faults them in (as huge pages)
+    return t

@@ -4,9 +4,11 @@ again by the next step; and huge_page_zeros, the CPU KV cache's memory in 2 MiB 
 
 from __future__ import annotations
 
+import gc
 import random
 import resource
 
+import psutil
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
@@ -65,6 +67,20 @@ def test_huge_page_zeros_is_a_zeroed_tensor_on_a_huge_page_boundary() -> None:
     assert t.data_ptr() % (2 << 20) == 0 and not t.any()
     t[-1] = 1.5  # the last element lies inside the buffer
     assert float(t.sum()) == 1.5 * 3 * 16 * 64
+
+
+def test_huge_page_zeros_is_faulted_in_at_once_and_given_back_with_the_tensor() -> None:
+    """Its pages are resident when it returns (the first steps do not fault them in), and its
+    mapping goes when the tensor does."""
+    proc = psutil.Process()
+    nbytes = 128 << 20
+    before = proc.memory_info().rss
+    t = huge_page_zeros((nbytes // 2,), torch.float16)
+    assert proc.memory_info().rss - before >= 0.9 * nbytes
+    held = proc.memory_info().rss
+    del t
+    gc.collect()
+    assert held - proc.memory_info().rss >= 0.9 * nbytes
 
 
 @pytest.mark.skipif(_thp_mode() == "absent", reason="this kernel has no transparent huge pages")
