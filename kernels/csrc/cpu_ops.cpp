@@ -2132,6 +2132,35 @@ static void row_block(int64_t m, const T* x, int64_t ldx, const W* w, T* y, int6
 // few enough that each claim's tiles still stream in order.
 constexpr int64_t kClaimsPerThread = 8;
 
+// Rows in chunks whose x fits in L2 beside a tile (~384 KiB of it): each thread runs its tiles
+// over one chunk, then the next, so x is read from L2 for every tile and only the tiles come
+// again from further out, once per chunk (at 2048 rows x read afresh for every tile was L3
+// traffic the arithmetic waited on).
+template <typename T>
+static int64_t row_chunk(int64_t K) {
+  return std::max<int64_t>(64, (393216 / (K * static_cast<int64_t>(sizeof(T)))) / kRowBlock * kRowBlock);
+}
+
+// One tile over `rows` rows of x into y (row stride ldy), in row blocks, the tile `next` (if set)
+// prefetched a slice per block. The rows spread evenly over the blocks (32 on AVX2: 6 6 5 5 5 5,
+// not 6 6 6 6 6 2): a block of few rows has too few accumulators to cover the FMA latency, and
+// ran a row at about half the rate of a full one. Each row's sums are the same whichever block
+// holds it.
+template <typename T, typename W>
+static void tile_over_rows(const T* x, int64_t ldx, int64_t rows, const W* wt, const W* next, T* y, int64_t ldy,
+                           int64_t steps) {
+  constexpr int64_t E = kTile * TileStep<T>::kStep, step_bytes = E * static_cast<int64_t>(sizeof(W));
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock, slice = (steps + blocks - 1) / blocks;
+  const int64_t base = rows / blocks, extra = rows % blocks;
+  for (int64_t b = 0, r = 0; b < blocks; ++b) {
+    const int64_t s0 = b * slice, pf = next != nullptr ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
+    const int64_t m = base + (b < extra);
+    row_block<T, W>(m, x + r * ldx, ldx, wt, y + r * ldy, ldy, steps, next != nullptr ? next + s0 * E : nullptr,
+                    (pf * step_bytes + 63) / 64);
+    r += m;
+  }
+}
+
 // x [M, K] times the tiles -> y [M, N]. Up to kFewRows rows: tiles in pairs (t, t + half), two
 // streams, an odd count's last tile alone. More: row blocks of kRowBlock go through the multiply-adds
 // against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
@@ -2156,36 +2185,19 @@ static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M,
     });
     return;
   }
-  // Rows in chunks whose x fits in L2 beside a tile (~384 KiB of it): each thread runs its
-  // tiles over one chunk, then the next, so x is read from L2 for every tile and only the
-  // tiles come again from further out, once per chunk (at 2048 rows x read afresh for every
-  // tile was L3 traffic the arithmetic waited on).
-  const int64_t chunk = std::max<int64_t>(64, (393216 / (K * static_cast<int64_t>(sizeof(T)))) / kRowBlock * kRowBlock);
-  constexpr int64_t E = kTile * TileStep<T>::kStep, step_bytes = E * static_cast<int64_t>(sizeof(W));
+  const int64_t chunk = row_chunk<T>(K), chunks = (M + chunk - 1) / chunk;
   // claims of g tiles of one row chunk, chunk by chunk: both threads work in the same chunk at a time
   const int64_t g = std::max<int64_t>(1, NT / (kClaimsPerThread * threads)), per_chunk = (NT + g - 1) / g;
-  const int64_t chunks = (M + chunk - 1) / chunk;
   for_each_claim(chunks * per_chunk, [&](int64_t c, int64_t after) {
     const int64_t r0 = c / per_chunk * chunk, t0 = c % per_chunk * g, t1 = std::min(NT, t0 + g);
     const int64_t rows = std::min(chunk, M - r0);
-    const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock, slice = (steps + blocks - 1) / blocks;
-    // The rows spread evenly over the blocks (32 on AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2): a block
-    // of few rows has too few accumulators to cover the FMA latency, and ran a row at about half
-    // the rate of a full one. Each row's sums are the same whichever block holds it.
-    const int64_t base = rows / blocks, extra = rows % blocks;
     for (int64_t t = t0; t < t1; ++t) {
       const W* wt = w + t * tile_elems;
       // the tile after this one: the next of this claim, or the first of this thread's next claim
       const W* nt = t + 1 < t1                       ? wt + tile_elems
                     : after < chunks * per_chunk ? w + (after % per_chunk * g) * tile_elems
                                                    : nullptr;
-      for (int64_t b = 0, r = r0; b < blocks; ++b) {
-        const int64_t s0 = b * slice, pf = nt != nullptr ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
-        const int64_t m = base + (b < extra);
-        row_block<T, W>(m, xp + r * ldx, ldx, wt, yp + r * N + t * kTile, N, steps, nt != nullptr ? nt + s0 * E : nullptr,
-                        (pf * step_bytes + 63) / 64);
-        r += m;
-      }
+      tile_over_rows<T, W>(xp + r0 * ldx, ldx, rows, wt, nt, yp + r0 * N + t * kTile, N, steps);
     }
   });
 }
@@ -2215,27 +2227,14 @@ static void gate_up_silu_kernel(const float* xp, int64_t ldx, const W* w, float*
     return;
   }
   // tiles_kernel's row chunks, row blocks and prefetching, a claim being g pairs of one chunk
-  const int64_t chunk = std::max<int64_t>(64, (393216 / (K * static_cast<int64_t>(sizeof(float)))) / kRowBlock * kRowBlock);
-  constexpr int64_t E = kTile * TileStep<float>::kStep, step_bytes = E * static_cast<int64_t>(sizeof(W));
+  const int64_t chunk = row_chunk<float>(K), chunks = (M + chunk - 1) / chunk;
   const int64_t g = std::max<int64_t>(1, half / (kClaimsPerThread * threads)), per_chunk = (half + g - 1) / g;
-  const int64_t chunks = (M + chunk - 1) / chunk;
   for_each_claim(chunks * per_chunk, [&](int64_t c, int64_t after) {
     thread_local std::vector<float> gbuf, ubuf;
     gbuf.resize(static_cast<size_t>(chunk * kTile));
     ubuf.resize(static_cast<size_t>(chunk * kTile));
     const int64_t r0 = c / per_chunk * chunk, t0 = c % per_chunk * g, t1 = std::min(half, t0 + g);
     const int64_t rows = std::min(chunk, M - r0);
-    const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock, slice = (steps + blocks - 1) / blocks;
-    const int64_t base = rows / blocks, extra = rows % blocks;
-    auto run_tile = [&](const W* wt, const W* nt, float* buf) {
-      for (int64_t b = 0, r = 0; b < blocks; ++b) {
-        const int64_t s0 = b * slice, pf = nt != nullptr ? std::max<int64_t>(0, std::min(slice, steps - s0)) : 0;
-        const int64_t m = base + (b < extra);
-        row_block<float, W>(m, xp + (r0 + r) * ldx, ldx, wt, buf + r * kTile, kTile, steps,
-                            nt != nullptr ? nt + s0 * E : nullptr, (pf * step_bytes + 63) / 64);
-        r += m;
-      }
-    };
     for (int64_t t = t0; t < t1; ++t) {
       const W* wg = w + t * tile_elems;
       const W* wu = w + (t + half) * tile_elems;
@@ -2243,8 +2242,8 @@ static void gate_up_silu_kernel(const float* xp, int64_t ldx, const W* w, float*
       const W* next = t + 1 < t1                       ? wg + tile_elems
                       : after < chunks * per_chunk ? w + (after % per_chunk * g) * tile_elems
                                                      : nullptr;
-      run_tile(wg, wu, gbuf.data());
-      run_tile(wu, next, ubuf.data());
+      tile_over_rows<float, W>(xp + r0 * ldx, ldx, rows, wg, wu, gbuf.data(), kTile, steps);
+      tile_over_rows<float, W>(xp + r0 * ldx, ldx, rows, wu, next, ubuf.data(), kTile, steps);
       product(gbuf.data(), ubuf.data(), rows, op + r0 * ldo + t * kTile);
     }
   });
