@@ -378,11 +378,12 @@ def test_gate_up_silu_is_the_matmul_then_silu_and_mul(rows: int, d: int, k: int,
     g = torch.Generator().manual_seed(rows * d + k)
     tiles = native.pack_linear(torch.randn(2 * d, k, generator=g) * 0.1, half=half)
     assert tiles is not None
-    if not half and rows > native.native_ops().max_tile_rows():
-        pytest.skip("float32 tiles above max_tile_rows go to MKL's GEMM, where the fused path declines")
     x = torch.randn(rows, 2 * k, generator=g)[:, :k]
     mm = (native.tiles_matmul_address(), [tiles])
     got = native.gate_up_silu(x, mm)
+    if not half and rows > native.native_ops().max_tile_rows():  # Intel: MKL's GEMM runs these rows
+        assert got is None
+        return
     assert got is not None
     assert torch.equal(got, native.silu_and_mul(native.linear_tiles(x, tiles)))
 
