@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -162,6 +163,17 @@ def _yield_cores_to_workers(role: str) -> None:
     if role in _NICE:
         with contextlib.suppress(OSError):
             os.nice(_NICE[role])
+
+
+def freeze_heap() -> None:
+    """A child process's last act of start-up: collect what start-up left, then move every live
+    object out of the collector's reach. A worker holds ~200k objects once loaded (modules, the
+    model's parameters and their wrappers), and a full collection walked them all: 76 ms, a
+    pause of the step in flight whenever one came due. What is allocated afterwards is collected
+    as before. Only for the engine's own processes: frozen cycles are never freed, so a caller's
+    process (LLM in-process, the frontends) that builds and drops engines must not freeze."""
+    gc.collect()
+    gc.freeze()
 
 
 def install_parent_death_protection(parent_pid: int) -> None:

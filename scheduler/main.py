@@ -47,7 +47,7 @@ from pagebus.bus.messages import (
     WorkerFailed,
 )
 from pagebus.bus.nodes import liveness_address, local_ranks, node_endpoints, world_size
-from pagebus.bus.proc import Child, StartupError, shutdown, spawn, wait_ready
+from pagebus.bus.proc import Child, StartupError, freeze_heap, shutdown, spawn, wait_ready
 from pagebus.bus.shm import ShmRingWriter
 from pagebus.bus.sockets import Channel, make_socket
 from pagebus.scheduler.scheduler import Scheduler
@@ -152,6 +152,7 @@ def scheduler_main(
             else Scheduler(cfg, f0.num_kv_blocks, f0.max_model_len, f0.eos_token_id, lookahead=lookahead)
         )
         pids = [p.pid or 0 for p in workers]
+        freeze_heap()
         hs.send(Ready(role="scheduler", rank=0, model=f0, worker_pids=pids))
         loop = _Loop(sched, steps, results, inbound, outs, workers)
         try:

@@ -35,6 +35,7 @@ from pagebus.bus.messages import (
     WorkerFailed,
 )
 from pagebus.bus.nodes import StepSubscriber, local_ranks
+from pagebus.bus.proc import freeze_heap
 from pagebus.bus.shm import RingHandle, ShmRingReader
 from pagebus.bus.sockets import Channel, make_socket
 
@@ -143,6 +144,7 @@ def _load(
         num_threads=torch.get_num_threads(),
         startup_phases={"imports": imports, **runner.startup_phases},
     )
+    freeze_heap()
     hs.send(Ready(role=ROLE, rank=rank, model=facts))
     return runner
 

@@ -35,6 +35,7 @@ from pagebus.bus.messages import (
     TokenizeResult,
     ToTokenizer,
 )
+from pagebus.bus.proc import freeze_heap
 from pagebus.bus.sockets import Channel, make_socket
 from pagebus.frontends.engine.text import TextProcessor
 from pagebus.frontends.model_files import tokenizer_dir
@@ -61,6 +62,7 @@ def tokenizer_main(cfg_bytes: bytes, model_path: str, rank: int, addrs: dict[str
     sched.connect(addrs["scheduler_in"])
     to_sched = Channel(sched)
     fe_out = Channel(make_socket(ctx, zmq.PUSH, addrs["frontend_in"], bind=False, linger_ms=LINGER_MS))
+    freeze_heap()
     hs.send(Ready(role="tokenizer", rank=rank))
     try:
         TokenizerProcess(TextProcessor(tok), fe_in, steps, to_sched, fe_out).run()

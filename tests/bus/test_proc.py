@@ -174,3 +174,35 @@ def test_light_roles_leave_the_cores_to_workers(procs: list[BusProcess]) -> None
     (worker_nice, worker_threads), (tok_nice, tok_threads) = got
     assert worker_nice == base and tok_nice > base
     assert tok_threads == 1 and worker_threads == torch_default_threads()
+
+
+FREEZE_CHILD = """
+import gc, weakref
+from pagebus.bus.proc import freeze_heap
+
+class Node:
+    pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+kept = Node()
+dead_before = cycle()  # garbage from "start-up"
+freeze_heap()
+collected_at_freeze = dead_before() is None
+frozen = gc.get_freeze_count()
+dead_after = cycle()  # garbage made while serving
+gc.collect()
+print(collected_at_freeze, frozen >= 1, gc.is_tracked(kept), kept not in gc.get_objects(), dead_after() is None)
+"""
+
+
+def test_freeze_heap_collects_start_up_garbage_and_leaves_live_objects_out_of_later_collections() -> None:
+    """What start-up left is collected first; the survivors are frozen, out of every later full
+    collection's walk; garbage made afterwards is still collected."""
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZE_CHILD], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == ["True"] * 5
