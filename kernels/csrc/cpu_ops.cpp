@@ -1007,7 +1007,8 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, 
     else hh += 1, v_passes += 1;
   }
   const int64_t block_bytes = s0 * static_cast<int64_t>(sizeof(C));
-  const bool grouped = kLanes == 8 && std::is_same_v<C, f16>;  // the K pass by group_block_scores
+  // AVX2, float16 K: a row widened once for up to 3 heads of its group (group_block_scores)
+  constexpr bool grouped = kLanes == 8 && std::is_same_v<C, f16>;
   // Steps of a run of L keys' K pass and V pass (a Trickle's steps).
   auto k_steps = [&](int64_t L) { return grouped ? L * kvh * k_calls : (L + bs - 1) / bs * h; };
   auto v_steps = [&](int64_t L) { return L * kvh * v_passes; };
@@ -1038,8 +1039,7 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, 
     for (int64_t j0 = 0; j0 < L; j0 += bs) {
       const int64_t n = std::min(bs, L - j0);
       const C* kb = kc + table[j0 / bs] * s0;
-      if constexpr (kLanes == 8 && std::is_same_v<C, f16>) {
-        // AVX2, float16 K: a row widened once for up to 3 heads of its group (group_block_scores)
+      if constexpr (grouped) {
         for (int64_t g = 0; g < kvh; ++g) {
           const C* kg = kb + g * s2;
           const C* ahead_rows[2];  // this KV head's rows two blocks on (from the first block, one block on too)
