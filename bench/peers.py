@@ -81,8 +81,12 @@ FLOORS = Path(__file__).resolve().parent / "peer_floors.json"
 PEERS = ("hf", "llamacpp", "vllm")
 SKIPPABLE = ("run-batch", "startup", "served")
 SAME_PRECISION_GGUF = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# The speed issue's targets (bench/report.py marks each met or not; served ones: bench/serve_peers.py)
 TARGET_STARTUP_S = 10.0
 TARGET_OFFLINE_RATIO = 1.5  # pagebus offline output tok/s >= 1.5 x each peer's
+TARGET_COMPUTE_FRACTION = 0.7  # offline: workload FLOPs / time >= 0.7 x the dense matmul ceiling
+TARGET_SINGLE_RATIO = 1.0  # single stream decode tok/s >= llama.cpp's at the same precision
+TARGET_BANDWIDTH_FRACTION = 0.8  # single stream: weight bytes per token x tok/s >= 0.8 x DRAM bytes/s
 TARGET_PROCESS_SPLIT = 0.95
 
 
@@ -459,7 +463,8 @@ def machine(ceil: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return {
-        "cpu_model": ceil["cpu"]["model"], "cpu_flags": ceil["cpu"]["flags"], "cpus": os.cpu_count(),
+        "cpu_model": ceil["cpu"]["model"], "cpu_id": ceil["cpu"].get("id"), "cpu_flags": ceil["cpu"]["flags"],
+        "cpus": os.cpu_count(),
         "mem_gib": mem_gib, "platform": platform.platform(), "python": platform.python_version(),
         "torch": ceil["torch"], "torch_cpu_capability": ceil["torch_cpu_capability"],
         "loadavg_1m_at_start": ceil["loadavg_1m_at_start"],

@@ -29,19 +29,26 @@ FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "am
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """The first CPU's model name, its family and model numbers (the generation where the name
+    says only "AMD EPYC": family 25 model 1 is Zen 3) and which of FLAGS it has."""
     model: str | None = None
+    ids: dict[str, str] = {}
     flags: set[str] = set()
     try:
         with open(path) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model is None:
+                key = key.strip()
+                if key == "model name" and model is None:
                     model = value.strip()
-                elif key.strip() == "flags" and not flags:
+                elif key in ("cpu family", "model") and key not in ids:
+                    ids[key] = value.strip()
+                elif key == "flags" and not flags:
                     flags = set(value.split())
     except OSError:
         pass
-    return {"model": model, "flags": {f: f in flags for f in FLAGS}}
+    cpu_id = f"family {ids['cpu family']} model {ids['model']}" if len(ids) == 2 else None
+    return {"model": model, "id": cpu_id, "flags": {f: f in flags for f in FLAGS}}
 
 
 def native_bf16(flags: dict[str, bool]) -> bool:
