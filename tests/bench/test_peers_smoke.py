@@ -101,6 +101,11 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
 
     out_json = tmp_path / "peers.json"
     out_json.write_text(proc.stdout)
+    # bench/report.py renders this run: pagebus's figures, the peers not set up, unmeasured targets as such
+    summary = _run(["-m", "bench.report", str(out_json)], timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    assert "| **pagebus** `run-batch` |" in summary.stdout and "| vLLM CPU | not set up" in summary.stdout
+    assert "| `run-batch` / vLLM, 2 requests | - | >= 1.5 | - |" in summary.stdout
     plot = _run(["-m", "bench.plot", str(out_json), "--out-dir", str(tmp_path)], timeout=60)
     png = tmp_path / "peers.png"
     if plot.returncode == 0:  # matplotlib is installed
