@@ -107,4 +107,6 @@ def test_readme_summary_is_the_named_result_rendered() -> None:
     block = text[start:end]
     source = re.search(r"python -m bench\.report (\S+) --write README\.md", block)
     assert source, "the block names the result it was generated from"
-    assert report.render(_doc(source[1]), source[1]) == block
+    assert report.render(_doc(source[1]), source[1]) == block, (
+        f"README's Performance block is out of date: python -m bench.report {source[1]} --write README.md"
+    )
