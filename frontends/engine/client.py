@@ -33,6 +33,7 @@ from pagebus.bus.messages import (
     DeltaBatch,
     DetokenizeRequest,
     EngineDead,
+    ErrorKind,
     FromTokenizer,
     GenerateRequest,
     RequestDelta,
@@ -142,6 +143,13 @@ class AsyncEngineClient:
         self._idle.clear()
         try:
             self._launcher.send_pool(self._pool(rid), req)
+        except OverflowError as e:
+            # an integer msgpack cannot carry (outside int64 / uint64), where no field's bound
+            # caught it first (a JSON schema's or a tool's parameters): this request is refused,
+            # as the engine refuses one that can never run, and nothing was sent
+            self._forget(rid)
+            msg = f"a number in the request is out of range ({e}); integers must fit in 64 bits"
+            deliver(RequestDelta(rid, [], finished=True, error=msg, error_kind=ErrorKind.INVALID_REQUEST))
         except BaseException:
             if self._reqs.get(rid) is st:
                 self._forget(rid)
@@ -153,7 +161,7 @@ class AsyncEngineClient:
         rid = req.request_id
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self.submit(req, queue.put_nowait)
-        st = self._reqs[rid]
+        st = self._reqs.get(rid)  # None: refused in submit, its finished delta already queued
         finished = False
         try:
             while True:

@@ -7,7 +7,7 @@ Sampling checks go through `bus.validation.check_sampling_params`, the one valid
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from pagebus.bus.messages import ChatMessage, SamplingParams, StructuredOutputsParams, ToolCall
@@ -21,6 +21,11 @@ from pagebus.frontends.openai.errors import (
 )
 from pagebus.frontends.structured import request as S
 
+# Every integer a body carries crosses the bus as msgpack, which holds int64 (and uint64) only: a
+# JSON integer outside int64 (`"priority": -9223372036854775809`) decoded fine here and then failed
+# to encode in the engine client, a 500. Bounded at decode, it is a 400 naming the field.
+Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
@@ -30,26 +35,26 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Int] | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: Int = 0
     cache_salt: str | None = None
     user: str | None = None  # accepted and ignored, as OpenAI does for abuse tracking
     # Structured outputs (frontends/structured/request.py): OpenAI's, vLLM's, vLLM's older names.
@@ -65,7 +70,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type per union,
     # so the list forms are told apart in `prompts()`.
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -86,7 +91,7 @@ class ChatMessageIn(msgspec.Struct):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     tools: list[S.Tool] | None = None
     tool_choice: str | S.NamedToolChoice | None = None
@@ -101,7 +106,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[Int]
     model: str | None = None
 
 
@@ -193,9 +198,9 @@ def prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
         if all(isinstance(x, str) for x in p):
             out: list[str | list[int]] = list(p)
         elif all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            out = [msgspec.convert(p, list[int])]
+            out = [msgspec.convert(p, list[Int])]
         else:
-            out = list(msgspec.convert(p, list[list[int]]))
+            out = list(msgspec.convert(p, list[list[Int]]))
     except msgspec.ValidationError:
         raise bad_request(
             "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",

@@ -89,6 +89,13 @@ HOSTILE = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "x", "text": "a"}]}]}, "messages[0].content[0].type"),
     (CHAT, {"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    # integers the bus's msgpack cannot carry (outside int64): schemathesis found the first a 500
+    (CMPL, {"prompt": "", "priority": -(2**63) - 1, "max_tokens": 2}, "priority"),
+    (CMPL, {"prompt": "x", "seed": 2**64, "max_tokens": 2}, "seed"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2**63, "logprobs": True}, "top_logprobs"),
+    # ... and one nested where no field names it: refused as a whole, the engine unharmed
+    (CMPL, {"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": {"type": "integer", "examples": [2**70]}}}}, None),
 ]  # fmt: skip
 
 

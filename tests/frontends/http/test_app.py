@@ -63,6 +63,13 @@ def test_parse_ignores_unknown_fields_and_maps_openai_names() -> None:
         (b'{"prompt": [[1, 2], [500]]}', "prompt"),
         (b'{"prompt": []}', "prompt"),
         (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', "stream_options"),
+        # integers outside int64, which the bus cannot carry: refused at decode, not a 500 later
+        (b'{"prompt": "hi", "priority": -9223372036854775809}', "priority"),
+        (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed"),
+        (b'{"prompt": "hi", "top_k": 9223372036854775808}', "top_k"),
+        (b'{"prompt": "hi", "min_tokens": 9223372036854775808}', "min_tokens"),
+        (b'{"prompt": "hi", "stop_token_ids": [9223372036854775808]}', "stop_token_ids[0]"),
+        (b'{"prompt": [[1, 9223372036854775808]]}', "prompt"),
     ],
 )
 def test_bad_completion_params_are_400_naming_the_field(body: bytes, param: str) -> None:
