@@ -8,6 +8,8 @@ fp8 caches must give the torch backend's result exactly (they run it).
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -352,6 +354,35 @@ def test_linear_on_column_tiles(rows: int, n: int, k: int, half: bool) -> None:
     assert bool(
         ((native.linear_tiles(x.unsqueeze(0), tiles)[0].double() - (want - b.double())).abs() <= bound).all()
     )
+
+
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
+def test_few_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> None:
+    """One and two rows: each thread runs a contiguous share of the tile pairs and then takes the
+    other's last pairs from the back. With a process spinning on one core beside the call, the
+    shares finish unevenly from one call to the next; every call still writes every column (the
+    output is torch.empty: a pair run twice or never would show) with the same values."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(16 * 1023, 96, generator=g)  # an odd count of tiles on AVX2 and AVX-512
+    tiles = native.pack_linear(w, half=half)
+    assert tiles is not None
+    wv = w.half().double() if half else w.double()
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        for rows in (1, 2):
+            x = torch.randn(rows, 96, generator=g)
+            want = x.double() @ wv.t()
+            bound = 1e-5 + 4e-7 * (x.double().abs() @ wv.abs().t())
+            first = native.linear_tiles(x, tiles)
+            assert bool(((first.double() - want).abs() <= bound).all())
+            for _ in range(30):
+                assert torch.equal(native.linear_tiles(x, tiles), first)
+    finally:
+        torch.set_num_threads(before)
+        spinner.kill()
+        spinner.wait()
 
 
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
