@@ -1509,7 +1509,36 @@ inline void flash_rows(const void* qv, const float* kt, const void* vb, int64_t 
   float alpha[RB];
   int64_t kmax = 0;
   const vf minus_inf = vset1(-std::numeric_limits<float>::infinity());
-  for (int r = 0; r < RB; ++r) {
+  bool full = true;  // every row sees every key of the step: all but the diagonal's steps
+  for (int r = 0; r < RB; ++r) full = full && valid[r] >= 16 * groups;
+  if (full) {
+    // no masks, and each phase for all the rows before the next, so the rows' max and exp chains
+    // overlap: bitwise the masked path's values; a 1,024-token prompt's prefill 0.97x (Zen 3,
+    // two interleaved runs of 12 and 16 rounds)
+    kmax = 16 * groups;
+    vf top[RB];
+    for (int r = 0; r < RB; ++r) {
+      top[r] = vload(scores[r]);
+      for (int64_t i = 1; i < vecs; ++i) top[r] = vmax(top[r], vload(scores[r] + i * kLanes));
+    }
+    float mnew[RB];
+    for (int r = 0; r < RB; ++r) {
+      mnew[r] = std::max(m[r], max_lanes(top[r]));
+      alpha[r] = fast_exp(m[r] - mnew[r]);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const vf mv = vset1(mnew[r]);
+      vf total = vzero();
+      for (int64_t i = 0; i < vecs; ++i) {
+        const vf p = vexp(vsub(vload(scores[r] + i * kLanes), mv));
+        total = vadd(total, p);
+        vstore(pj[r] + i * kLanes, p);
+      }
+      l[r] = l[r] * alpha[r] + add_lanes(total);
+      m[r] = mnew[r];
+    }
+  }
+  for (int r = 0; r < RB && !full; ++r) {
     if (valid[r] <= 0) {  // every key of this step is after row r's position
       for (int64_t i = 0; i < vecs; ++i) vstore(pj[r] + i * kLanes, vzero());
       alpha[r] = 1.f;
