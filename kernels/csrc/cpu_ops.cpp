@@ -617,8 +617,8 @@ static void for_each_claim(int64_t n, F&& f) {
 // by another process holds nobody up. For the GEMV-like matmuls (one or two rows), where
 // for_each_claim's claims alternate between the threads and every claim starts its streams cold:
 // with the streams' prefetch (two_tiles), Zen 3, float16 weights, one engine per build in one
-// process, a single stream's decode step 0.87-0.90x (four interleaved runs of 12-14 rounds);
-// regions of the layers' sizes alone (0.6-3.4 MB of weights) read 1.03-1.17x as fast.
+// process, a single stream's decode step 0.87-0.92x (interleaved runs of 12-14 rounds); regions
+// of the layers' sizes alone (0.6-3.4 MB of weights) read 1.03-1.16x as fast.
 template <typename F>
 static void for_each_run(int64_t n, F&& f) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -2317,8 +2317,8 @@ static void tile_over_rows(const T* x, int64_t ldx, int64_t rows, const W* wt, c
 }
 
 // x [M, K] times the tiles -> y [M, N]. Up to kFewRows rows: tiles in pairs (t, t + half), two
-// streams, each thread a run of consecutive pairs (for_each_run), an odd count's last tile alone. More: row blocks of kRowBlock go through the multiply-adds
-// against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
+// streams, each thread a run of consecutive pairs (for_each_run), an odd count's last tile alone.
+// More: row blocks of kRowBlock go through the multiply-adds against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
 // per block, so reading W overlaps the arithmetic on the one before. W: the tiles' element type:
 // T, or float16 beside float32 x, widened as each vector loads (F16C's conversion runs beside the
 // FMAs; widening each tile once into a float32 buffer instead was 4-13% slower at 4-64 rows).
