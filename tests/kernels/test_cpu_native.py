@@ -386,6 +386,41 @@ def test_few_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> None
 
 
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
+def test_many_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> None:
+    """Beyond kFewRows rows the threads take spans of tiles that shrink as the work runs out and
+    never cross a row chunk (64 rows of x at K = 1536). With a process spinning on one core beside
+    the call, the spans fall differently from one call to the next; every call still writes every
+    column of every row (the output is torch.empty) with the same values, and the fused gate_up
+    SiLU product, which shares the spans, too."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(16 * 74, 1536, generator=g) * 0.1  # gate_up: 37 tile pairs, an odd count
+    tiles = native.pack_linear(w, half=half)
+    assert tiles is not None
+    wv = w.half().double() if half else w.double()
+    mm = (native.tiles_matmul_address(), [tiles])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        for rows in (7, 64, 150):  # a span per thread; one row chunk; two and a bit (<= Intel's 160)
+            x = torch.randn(rows, 1536, generator=g)
+            want = x.double() @ wv.t()
+            bound = 1e-5 + 4e-7 * (x.double().abs() @ wv.abs().t())
+            first = native.linear_tiles(x, tiles)
+            assert bool(((first.double() - want).abs() <= bound).all()), rows
+            fused = native.gate_up_silu(x, mm)
+            assert fused is not None
+            assert torch.equal(fused, native.silu_and_mul(first)), rows
+            for _ in range(10):
+                assert torch.equal(native.linear_tiles(x, tiles), first), rows
+                assert torch.equal(native.gate_up_silu(x, mm), fused), rows
+    finally:
+        torch.set_num_threads(before)
+        spinner.kill()
+        spinner.wait()
+
+
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
 def test_tile_rows_do_not_depend_on_the_rows_beside_them(half: bool) -> None:
     """Row blocks are sized evenly (32 rows on AVX2: 6 6 5 5 5 5): a row's sums are the same
     bitwise whatever block it falls in, so a sequence's logits do not depend on its batch."""
