@@ -205,20 +205,27 @@ def test_float32_prefill_runs_the_compiled_kernel(head_dim: int) -> None:
     ],
 )
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "rot"), [(9, 3, 64), (8, 1, 32)])
+@pytest.mark.parametrize("seqs", [DECODES, DECODES * 5], ids=["few", "threads"])
 def test_fused_decode_attention_is_the_separate_ops(
-    num_heads: int, num_kv_heads: int, rot: int, dtype: torch.dtype, k_layout: str
+    num_heads: int,
+    num_kv_heads: int,
+    rot: int,
+    dtype: torch.dtype,
+    k_layout: str,
+    seqs: list[tuple[int, int]],
 ) -> None:
     """qkv_decode_attention = rotary, then write_kv, then paged_attention, caches included (also
-    on a token-pairs K cache, kernels/cpu_native.py k_cache_shape, and float16 caches)."""
+    on a token-pairs K cache, kernels/cpu_native.py k_cache_shape, and float16 caches). 30
+    sequences: the rotation and cache writes split over the threads (kRotateGrain 8 tokens)."""
     from pagebus.workers.layers.rotary import build_cos_sin_cache
 
     d, bs = 64, 16
-    batch = make_batch(DECODES, num_heads, num_kv_heads, d, dtype=dtype)
+    batch = make_batch(seqs, num_heads, num_kv_heads, d, dtype=dtype)
     if k_layout == "token_pairs":
         batch.k_cache, batch.v_cache = to_token_pairs(batch.k_cache), batch.v_cache.contiguous()
     elif k_layout == "float16":
         batch.k_cache, batch.v_cache = batch.k_cache.half(), batch.v_cache.half()
-    t = len(DECODES)
+    t = len(seqs)
     qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * d).to(dtype)
     positions = batch.seq_lens.long() - 1
     slots = batch.block_tables[torch.arange(t), positions // bs].long() * bs + positions % bs
@@ -229,9 +236,23 @@ def test_fused_decode_attention_is_the_separate_ops(
     native.write_kv_cache(k, v.reshape(t, -1, d), *caches, slots)
     want = native.paged_attention(q, *caches, *batch.args()[3:], 0.125, max_query_len=1)
     tables = batch.args()[3:]
-    got = native.qkv_decode_attention(
-        qkv, num_heads, num_kv_heads, positions, cos_sin, batch.k_cache, batch.v_cache, slots, *tables, 0.125
-    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if seqs is DECODES else 2)
+    try:
+        got = native.qkv_decode_attention(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            positions,
+            cos_sin,
+            batch.k_cache,
+            batch.v_cache,
+            slots,
+            *tables,
+            0.125,
+        )
+    finally:
+        torch.set_num_threads(before)
     assert got is not None
     torch.testing.assert_close(got, want.reshape(t, -1), **TOLS[dtype])
     assert torch.equal(batch.k_cache, caches[0]) and torch.equal(batch.v_cache, caches[1])
