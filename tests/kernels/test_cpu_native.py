@@ -7,9 +7,11 @@ fp8 caches must give the torch backend's result exactly (they run it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -377,6 +379,21 @@ def test_linear_on_column_tiles(rows: int, n: int, k: int, half: bool) -> None:
     )
 
 
+@contextlib.contextmanager
+def _two_threads_beside_a_spinner() -> Iterator[None]:
+    """Two threads for the calls inside, with a process spinning on one core beside them: the
+    threads' shares of a region then finish unevenly, and differently from one call to the next."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        yield
+    finally:
+        torch.set_num_threads(before)
+        spinner.kill()
+        spinner.wait()
+
+
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
 def test_few_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> None:
     """One and two rows: each thread runs a contiguous share of the tile pairs and then takes the
@@ -388,10 +405,7 @@ def test_few_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> None
     tiles = native.pack_linear(w, half=half)
     assert tiles is not None
     wv = w.half().double() if half else w.double()
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        before = torch.get_num_threads()
-        torch.set_num_threads(2)
+    with _two_threads_beside_a_spinner():
         for rows in (1, 2):
             x = torch.randn(rows, 96, generator=g)
             want = x.double() @ wv.t()
@@ -400,10 +414,6 @@ def test_few_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> None
             assert bool(((first.double() - want).abs() <= bound).all())
             for _ in range(30):
                 assert torch.equal(native.linear_tiles(x, tiles), first)
-    finally:
-        torch.set_num_threads(before)
-        spinner.kill()
-        spinner.wait()
 
 
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
@@ -419,10 +429,7 @@ def test_many_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> Non
     assert tiles is not None
     wv = w.half().double() if half else w.double()
     mm = (native.tiles_matmul_address(), [tiles])
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        before = torch.get_num_threads()
-        torch.set_num_threads(2)
+    with _two_threads_beside_a_spinner():
         for rows in (7, 64, 150):  # a span per thread; one row chunk; two and a bit (<= Intel's 160)
             x = torch.randn(rows, 1536, generator=g)
             want = x.double() @ wv.t()
@@ -435,10 +442,6 @@ def test_many_rows_cover_every_tile_whichever_thread_takes_it(half: bool) -> Non
             for _ in range(10):
                 assert torch.equal(native.linear_tiles(x, tiles), first), rows
                 assert torch.equal(native.gate_up_silu(x, mm), fused), rows
-    finally:
-        torch.set_num_threads(before)
-        spinner.kill()
-        spinner.wait()
 
 
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])
