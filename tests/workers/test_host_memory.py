@@ -92,6 +92,42 @@ def test_huge_page_zeros_memory_is_advised_into_huge_pages() -> None:
     assert "hg" in _vm_flags(t.data_ptr() + t.numel() - 1)
 
 
+def _anon_huge_kib(addr: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds addr (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _free_huge_pages() -> int:
+    """Free 2 MiB blocks the buddy allocator holds (/proc/buddyinfo, orders 9 and up)."""
+    try:
+        with open("/proc/buddyinfo") as f:
+            return sum(
+                int(n) << (order - 9) for line in f for order, n in enumerate(line.split()[4:]) if order >= 9
+            )
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.skipif(_thp_mode() == "absent", reason="this kernel has no transparent huge pages")
+def test_huge_page_zeros_mapping_is_private_so_anonymous_huge_pages_apply() -> None:
+    """A shared anonymous mapping is shmem: its huge pages follow shmem_enabled ("never" by
+    default), not the advice, so the cache took the hg flag and stayed in 4 KiB pages. Private,
+    the kernel backs it with anonymous huge pages where it has free 2 MiB blocks to give."""
+    t = huge_page_zeros((16 << 20,), torch.uint8)
+    assert "sh" not in _vm_flags(t.data_ptr()), "the KV cache's mapping is shared (shmem): no huge pages"
+    if _thp_mode() != "never" and _free_huge_pages() >= 64:  # 128 MiB of them free: 8 are asked for
+        assert _anon_huge_kib(t.data_ptr()) > 0, "the KV cache's memory holds no huge page"
+
+
 def test_cpu_runner_kv_caches_start_on_huge_page_boundaries(default_model: str) -> None:
     cfg = EngineConfig(dtype="float32", kv_cache_memory=256 << 20, kv_cache_dtype="float16")
     runner = ModelRunner(cfg, default_model)
