@@ -92,3 +92,13 @@ def test_linear_layout() -> None:
     for by_rows in out["results"].values():
         assert set(by_rows) == {"1", "4"}
         assert all(r["checkpoint_gflops"] > 0 and r["transposed_gflops"] > 0 for r in by_rows.values())
+
+
+def test_steadiness() -> None:
+    out = run_bench("steadiness", "--seconds", "1")
+    assert out["rounds"] >= 3 and out["threads"] == 1
+    for probe in ("matmul_gflops", "copy_gb_per_s"):
+        s = out[probe]
+        assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["max"], probe
+    if out["fma_gflops"] is not None:  # a machine with FMA and a compiler
+        assert 0 < out["matmul_over_fma"]["p10"] <= out["matmul_over_fma"]["median"]
