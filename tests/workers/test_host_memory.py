@@ -45,8 +45,9 @@ def _thp_mode() -> str:
         return "absent"
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds addr (/proc/self/smaps)."""
+def _smaps_field(addr: int, field: str) -> list[str]:
+    """The values of `field` (e.g. "VmFlags:") of this process's mapping that holds addr
+    (/proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -54,9 +55,13 @@ def _vm_flags(addr: int) -> list[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
+            elif inside and head == field:
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _vm_flags(addr: int) -> list[str]:
+    return _smaps_field(addr, "VmFlags:")
 
 
 def test_huge_page_zeros_is_a_zeroed_tensor_on_a_huge_page_boundary() -> None:
@@ -93,17 +98,7 @@ def test_huge_page_zeros_memory_is_advised_into_huge_pages() -> None:
 
 
 def _anon_huge_kib(addr: int) -> int:
-    """AnonHugePages (KiB) of this process's mapping that holds addr (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {addr:#x}")
+    return int(_smaps_field(addr, "AnonHugePages:")[0])
 
 
 def _free_huge_pages() -> int:
