@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from pagebus.kernels.cpu_native import linear_tiles, pack_linear
 
 from bench.common import cpu_flags, emit, setup_logging
 from bench.peer_runners import ceilings
@@ -38,8 +39,6 @@ def matmul_probe() -> tuple[str, Callable[[], object]]:
     """(what it runs, a call of it) for the L2-resident matmul."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(N, K, generator=g), torch.randn(ROWS, K, generator=g)
-    from pagebus.kernels.cpu_native import linear_tiles, pack_linear
-
     tiles = pack_linear(w, half=True)
     if tiles is not None:
         return "tile matmul, float16 tiles", lambda: linear_tiles(x, tiles)
@@ -81,7 +80,7 @@ def main() -> None:
     copy: list[float] = []
     ratio: list[float] = []
     end = time.monotonic() + args.seconds
-    while time.monotonic() < end or len(fma) < 3:
+    while time.monotonic() < end or len(matmul) < 3:  # the FMA loop is absent without FMA
         f = ceilings.fma_flops(0.02)
         m = per_second(mm, 2 * ROWS * K * N, 200)
         copy.append(per_second(lambda: dst.copy_(src), 2 * src.numel(), 3) / 1e9)
