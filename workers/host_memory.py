@@ -50,16 +50,19 @@ def keep_freed_memory() -> bool:
 
 # Huge pages for the KV cache. Decode attention reads each sequence's blocks wherever they lie
 # in a cache of GiBs: with 4 KiB pages nearly every 2 KiB head run is a TLB miss and a page walk.
-# In 2 MiB pages the whole cache fits the second-level TLB. Zen 3, two threads, 30 layers of 32
-# sequences x 192 tokens (float16, blocks shuffled), interleaved in one process: 13.6 -> 12.4
-# ms (median of 40, each pair's ratio 0.92). Linux gives huge pages to an anonymous range that
-# asks for them (madvise) where transparent_hugepage is "always" or "madvise", as far as it finds
-# free 2 MiB pages; where it is "never" or the call is refused, the cache is ordinary memory and
-# works the same. The mapping must be private: a shared anonymous one (Python's mmap default) is
-# shmem, whose huge pages follow shmem_enabled instead ("never" by default), so the advice was
-# taken (VmFlags hg) and every page stayed 4 KiB. Private, on a Zen 3 VM with shmem_enabled never,
-# 30 layers' decode attention over 4,096-block float16 caches, tables shuffled, interleaved rounds
-# (paired medians of 30): 32 x 192 tokens 0.90, 64 x 192 0.91, one sequence of 1,024 0.93.
+# In 2 MiB pages the whole cache fits the second-level TLB. Zen 3, two threads, 30 layers' decode
+# attention over 4,096-block float16 caches, tables shuffled, 30 interleaved rounds, paired
+# medians (2 MiB / 4 KiB pages): 32 x 192 tokens 0.90, 64 x 192 0.91, one sequence of 1,024 0.93.
+# Linux gives huge pages to an anonymous range that asks for them (madvise) where
+# transparent_hugepage is "always" or "madvise", as far as it finds free 2 MiB pages; where it is
+# "never" or the call is refused, the cache is ordinary memory and works the same. The mapping
+# must be private: a shared anonymous one (Python's mmap default, used here before) is shmem, whose
+# huge pages follow shmem_enabled instead ("never" by default), so the advice was taken (VmFlags
+# hg) and every page stayed 4 KiB.
+# The cost is at start-up, and only in some VMs: a guest hands its free 2 MiB blocks back to the
+# host (free page reporting), so faulting huge pages in makes the host back every one of them
+# anew. On the Zen 3 VM above, LLM() with its 1 GiB cache took 5.3-8.2 s against 4.2-5.2 s in 4
+# KiB pages (fresh processes alternated); on bare metal zeroing 1 GiB takes ~0.1 s either way.
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in as writes would, without writing it
