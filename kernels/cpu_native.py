@@ -23,13 +23,14 @@ torch backend with a warning that says why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,16 +131,14 @@ def _build_directory(name: str) -> str:
     return str(d)
 
 
-@functools.cache
-def native_ops() -> Any:
-    """The compiled module (built on first call if `make setup` did not); raises when the
-    machine cannot build it (no compiler, no ninja)."""
+def load_build(name: str, source: Path) -> Any:
+    """Compile `source` (a cpu_ops.cpp) as the module `name`, or load the build already cached
+    under that name; raises when the machine cannot build it (no compiler, no ninja)."""
     from torch.utils.cpp_extension import load
 
-    name = f"pagebus_cpu_ops_{build_digest()}"
     return load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(source)],
         build_directory=_build_directory(name),
         # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without
         # the flag it compiles to a serial one.
@@ -147,6 +146,38 @@ def native_ops() -> Any:
         extra_ldflags=["-fopenmp"],
         verbose=os.environ.get("PAGEBUS_VERBOSE_BUILD") == "1",
     )
+
+
+@functools.cache
+def _default_build() -> Any:
+    return load_build(f"pagebus_cpu_ops_{build_digest()}", _SOURCE)
+
+
+# The build `using_build` put in place of the default one (bench/kernel_ab.py's side-by-side
+# builds); None: the default.
+_active_build: Any | None = None
+
+
+def native_ops() -> Any:
+    """The compiled module (built on first call if `make setup` did not); raises when the
+    machine cannot build it (no compiler, no ninja)."""
+    return _default_build() if _active_build is None else _active_build
+
+
+@contextlib.contextmanager
+def using_build(module: Any) -> Iterator[None]:
+    """Every compiled op called inside runs from `module`, another build of cpu_ops.cpp, as does
+    whatever takes its functions inside: a layer's matmul, a model's decode stack, both kept
+    after. An A/B of builds in one process builds and runs each engine inside its own build's
+    `using_build`, or the engine runs parts of two builds."""
+    global _active_build
+    before, _active_build = _active_build, module
+    tiles_matmul_address.cache_clear()
+    try:
+        yield
+    finally:
+        _active_build = before
+        tiles_matmul_address.cache_clear()
 
 
 def available() -> str | None:
