@@ -114,7 +114,7 @@ def build_digest() -> str:
 _STALE_LOCK_S = 15 * 60
 
 
-def _build_directory(name: str) -> str:
+def build_directory_for(name: str) -> str:
     """torch's extension cache directory for `name`, cleared of a stale lock."""
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -139,7 +139,7 @@ def load_build(name: str, source: Path) -> Any:
     return load(
         name=name,
         sources=[str(source)],
-        build_directory=_build_directory(name),
+        build_directory=build_directory_for(name),
         # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without
         # the flag it compiles to a serial one.
         extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],

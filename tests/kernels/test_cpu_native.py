@@ -343,12 +343,12 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(monkeypatch, tmp_pa
     lock = tmp_path / "ext" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    assert native._build_directory("ext") == str(lock.parent)
+    assert native.build_directory_for("ext") == str(lock.parent)
     assert lock.exists()
     old = time.time() - native._STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING):
-        native._build_directory("ext")
+        native.build_directory_for("ext")
     assert not lock.exists()
     assert "did not finish" in caplog.text
 
