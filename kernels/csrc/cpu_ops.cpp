@@ -165,6 +165,29 @@ inline T from_f32(float x) {
   return static_cast<T>(x);  // c10::BFloat16's constructor rounds to nearest even
 }
 
+#ifdef __AVX512F__
+// 16 bf16 values as float32 (exact: the bits shifted into the high half).
+inline __m512 widen16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// v rounded to bf16 as c10::BFloat16's constructor rounds (nearest even, a NaN to 0x7FC0), bit
+// for bit, denormals included (vcvtneps2bf16 flushes those), held as float32.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                               _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+// 16 values round_bf16 gave, stored as bf16.
+inline void store_rounded16(bf16* p, __m512 rounded) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+#endif
+
 // float32 and bfloat16 CPU tensors, all of one dtype, are the compiled ops' cases.
 torch::ScalarType check_dtype(std::initializer_list<const torch::Tensor*> ts, const char* what) {
   const auto st = (*ts.begin())->scalar_type();
@@ -209,7 +232,11 @@ bool check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, to
 // Row r of `x` as float32 (bf16 widened into `buf`; float32 read in place).
 inline const float* as_f32(const float* x, int64_t, float*) { return x; }
 inline const float* as_f32(const bf16* x, int64_t n, float* buf) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, widen16(x + i));
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(x[i]);
   return buf;
 }
 
@@ -222,7 +249,14 @@ void norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, i
       const float* xr = as_f32(x + r * x_stride, h, buf.data());
       const float inv = 1.0f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + eps);
       T* o = out + r * h;
-      for (int64_t i = 0; i < h; ++i) o[i] = from_f32<T>(f32(from_f32<T>(xr[i] * inv)) * f32(w[i]));
+      int64_t i = 0;
+#ifdef __AVX512F__
+      if constexpr (std::is_same_v<T, bf16>)  // the loop below, 16 at a time (GCC leaves it scalar)
+        for (const __m512 iv = _mm512_set1_ps(inv); i + 16 <= h; i += 16)
+          store_rounded16(o + i, round_bf16(_mm512_mul_ps(round_bf16(_mm512_mul_ps(_mm512_loadu_ps(xr + i), iv)),
+                                                          widen16(w + i))));
+#endif
+      for (; i < h; ++i) o[i] = from_f32<T>(f32(from_f32<T>(xr[i] * inv)) * f32(w[i]));
     }
   });
 }
@@ -247,7 +281,12 @@ namespace {
 template <typename T>
 void add_norm_rows(const T* xp, const T* rp, const T* w, T* sp, T* out, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows * h, 1 << 14, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) sp[i] = from_f32<T>(f32(xp[i]) + f32(rp[i]));
+    int64_t i = a;
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, bf16>)
+      for (; i + 16 <= b; i += 16) store_rounded16(sp + i, round_bf16(_mm512_add_ps(widen16(xp + i), widen16(rp + i))));
+#endif
+    for (; i < b; ++i) sp[i] = from_f32<T>(f32(xp[i]) + f32(rp[i]));
   });
   norm_rows<T>(sp, h, w, out, rows, h, eps);
 }
@@ -282,6 +321,18 @@ inline int64_t silu_and_mul_vectors(const float* g, const float* u, float* o, in
   }
   return i;
 }
+#ifdef __AVX512F__
+// bf16: the same in float32, silu's result and the product rounded to bf16 as the scalar loop rounds.
+inline int64_t silu_and_mul_vectors(const bf16* g, const bf16* u, bf16* o, int64_t d) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m512 gv = widen16(g + i);
+    const __m512 sv = round_bf16(vdiv(gv, vadd(vset1(1.0f), vexp(vsub(vzero(), gv)))));
+    store_rounded16(o + i, round_bf16(vmul(sv, widen16(u + i))));
+  }
+  return i;
+}
+#endif
 #endif
 
 // out[r] = silu(x[r, :d]) * x[r, d:] for rows of stride xs; silu's result rounded to T before
