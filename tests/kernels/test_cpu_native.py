@@ -84,6 +84,35 @@ def test_silu_and_mul(rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(native.silu_and_mul(x), silu_and_mul_ref(x), **TOLS[dtype])
 
 
+def _bf16_with_specials(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 values over a wide range, with NaNs, infinities and denormals sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, cols, generator=g) * 4)
+    flat = x.view(-1)
+    for start, value in ((0, float("nan")), (5, float("inf")), (7, -float("inf")), (9, 1e-39), (11, -3e-39)):
+        flat[start::23] = value
+    return x.to(torch.bfloat16)
+
+
+def test_bf16_rounding_of_the_vector_loops() -> None:
+    """The bf16 norms, residual adds and SiLU product run 16 lanes at a time on AVX-512 builds and
+    round as c10 does, infinities and denormals included: the residual sum equals torch's float32
+    sum rounded to bf16 bit for bit (NaN where torch's is), and each SiLU lane equals the scalar
+    loop's, NaNs too (a row of one column is all scalar)."""
+    x, r = _bf16_with_specials(5, 70, 1), _bf16_with_specials(5, 70, 2)
+    w = torch.randn(70).to(torch.bfloat16)
+    _, res = native.rms_norm(x, w, 1e-6, r)
+    want = (x.float() + r.float()).to(torch.bfloat16)
+    nan = want.isnan()  # torch writes its NaN as 0xFFFF, c10's constructor as 0x7FC0
+    assert bool(nan.any()) and torch.equal(res.isnan(), nan)
+    assert torch.equal(res.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    gu = _bf16_with_specials(3, 2 * 37, 3)
+    got = native.silu_and_mul(gu)
+    for c in range(37):  # column c alone: the scalar loop
+        one = native.silu_and_mul(torch.stack([gu[:, c], gu[:, 37 + c]], 1))
+        assert torch.equal(got[:, c : c + 1].view(torch.int16), one.view(torch.int16)), c
+
+
 @DTYPES
 @pytest.mark.parametrize(("head_dim", "rot"), [(64, 64), (64, 32)])  # whole and partial rotary
 @pytest.mark.parametrize("tokens", [1, 9])

@@ -2,8 +2,7 @@
 llama.py) runs every layer of a decode-only step in one call: its logits must equal, bit for
 bit, those of the same layers called one by one from Python, for packed GGUF weights and for
 float32 and bfloat16 column tiles, with steps of one and of several sequences: six at once,
-more than the GEMV path's rows on any build, so the batched steps also run the fetch of the next
-layer's K/V during the matmuls (KvFetch)."""
+more than the GEMV path's rows on any build, so the batched tile path runs too."""
 
 from __future__ import annotations
 
