@@ -615,10 +615,7 @@ inline void vstore_first(float* p, vf v, int64_t n) {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 #ifdef __AVX512BF16__
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 load16(const bf16* p) { return widen16(p); }
 inline void store16(bf16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
