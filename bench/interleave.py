@@ -15,6 +15,12 @@ shapes of a peer driver's result ("offline", "offline_by_size", "single"). Engin
   time is run-batch's own summary line, start-up excluded), so it takes no warm-up.
 An engine whose run fails is reported with its error and left out of the later runs. Each timed
 run also records the CPU seconds the idle engines' processes used meanwhile, which should be ~0.
+
+Before every run the machine settles (`wait_for_quiet`): an engine's threads can stay busy for a
+second or more after its run has returned (a peer winding down, a run-batch engine's processes
+exiting), and the engine timed next ran that long on a core short. pagebus's worker then stepped
+down to one thread for ~1.5 s: in two short single-stream runs (Zen 4, 2026-12-07) the first round
+read 95 and 78 tok/s, the later ones 114-130. Every engine waits alike.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
+from pagebus.workers.threads import cpu_seconds
 
 from bench.peer_runners._harness import (
     WARMUP_TOKENS,
@@ -195,6 +202,38 @@ class PeerEngine:
                 self.proc.wait()
 
 
+def wait_for_quiet(
+    max_cores: float = 0.2,
+    window_s: float = 0.2,
+    timeout_s: float = 5.0,
+    sample: Callable[[], tuple[float, float] | None] = cpu_seconds,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[float, bool]:
+    """Waits, a window at a time, until the rest of the machine (all but this process, whose
+    threads are the in-process engine's) used under `max_cores` cores over a window, or
+    `timeout_s` has passed: (seconds waited, whether it was quiet)."""
+    last, waited = sample(), 0.0
+    if last is None:  # no /proc to tell: nothing to wait for
+        return 0.0, True
+    while True:
+        t = time.monotonic()
+        sleep(window_s)
+        cur = sample()
+        elapsed = time.monotonic() - t
+        waited += elapsed
+        if cur is None:
+            return waited, True
+        others = ((cur[0] - last[0]) - (cur[1] - last[1])) / max(elapsed, 1e-3)
+        if others < max_cores:
+            return waited, True
+        if waited >= timeout_s:
+            return waited, False
+        last = cur
+
+
+Settle = Callable[[], tuple[float, bool]]
+
+
 def rotated(engines: Sequence[Engine], r: int) -> list[Engine]:
     """Round r's order: each engine takes each place in turn, so none always runs first or last."""
     k = r % len(engines) if engines else 0
@@ -204,20 +243,35 @@ def rotated(engines: Sequence[Engine], r: int) -> list[Engine]:
 class Interleaved:
     """The runs of one measurement; `results()` gives each engine's figures or its error."""
 
-    def __init__(self, engines: Sequence[Engine], rounds: int) -> None:
-        if rounds < 1:
-            raise ValueError(f"rounds must be at least 1, got {rounds}")
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        rounds: int,
+        single_rounds: int | None = None,
+        settle: Settle = wait_for_quiet,
+    ) -> None:
+        """single_rounds: the single stream's rounds (default `rounds`); settle: called before every
+        run, (seconds waited, whether the machine went quiet)."""
+        if rounds < 1 or (single_rounds is not None and single_rounds < 1):
+            raise ValueError(f"rounds must be at least 1, got {rounds} and {single_rounds}")
         self.engines, self.rounds = list(engines), rounds
+        self.single_rounds = rounds if single_rounds is None else single_rounds
+        self.settle = settle
         self.errors: dict[str, str] = {}
         self.offline: dict[str, dict[str, Any]] = {e.name: {} for e in engines}
         self.single: dict[str, dict[str, Any]] = {}
         self.others_cpu_s: dict[str, float] = {e.name: 0.0 for e in engines}  # most while it ran
+        self.settle_s: dict[str, float] = {e.name: 0.0 for e in engines}  # the longest wait before its runs
+        self.unsettled: dict[str, int] = {e.name: 0 for e in engines}  # its runs begun on a busy machine
 
     def _live(self, which: Sequence[Engine]) -> list[Engine]:
         return [e for e in which if e.name not in self.errors]
 
     def _run(self, e: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]] | None:
         others = [o for o in self._live(self.engines) if o is not e]
+        waited, quiet = self.settle()
+        self.settle_s[e.name] = max(self.settle_s[e.name], round(waited, 2))
+        self.unsettled[e.name] += not quiet
         before = sum(o.cpu_s() for o in others)
         try:
             out = e.generate(prompts, max_tokens)
@@ -247,7 +301,7 @@ class Interleaved:
                 self.offline[e.name][str(n)] = res | got[0][2]
 
     def run_single(self, prompt: list[int], output_len: int) -> None:
-        warm, plan = single_plan(self.rounds)
+        warm, plan = single_plan(self.single_rounds)
         singles = [e for e in self._live(self.engines) if e.single]
         for e in singles:
             self._run(e, variant([prompt], warm), WARMUP_TOKENS)
@@ -281,7 +335,11 @@ class Interleaved:
             if e.name in self.errors:
                 out[e.name] = {"error": self.errors[e.name]}
                 continue
-            res: dict[str, Any] = {"others_cpu_s_max": self.others_cpu_s[e.name]}
+            res: dict[str, Any] = {
+                "others_cpu_s_max": self.others_cpu_s[e.name],
+                "settle_s_max": self.settle_s[e.name],
+                "runs_begun_busy": self.unsettled[e.name],
+            }
             if by_size := self.offline[e.name]:
                 res |= {"offline": next(iter(by_size.values())), "offline_by_size": by_size}
             if e.name in self.single:

@@ -3,7 +3,7 @@
     bench/setup_peers.sh                      # once: each peer in its own venv (~15 min)
     python -m bench.peers [--num-requests 32 64] [--input-len 128] [--output-len 128]
         [--single-input-len 32] [--single-output-len 128] [--dtype auto] [--peers hf llamacpp vllm]
-        [--rounds 3]
+        [--rounds 3] [--single-rounds 5]
         [--llamacpp-formats ...] [--llamacpp-n-batch 2048] [--llamacpp-n-ubatch 2048]
         [--skip served startup run-batch] [--check] [--peer-dir ~/.cache/pagebus/peers]
 
@@ -15,8 +15,10 @@ write); then every engine on the same token-id prompts, greedy, EOS ignored, tim
 (bench/interleave.py): --rounds rounds, each timing every engine once, the order rotating:
 - offline, for each --num-requests n: n prompts submitted at once; output tok/s of the batch (the
   median over rounds, each round on prompts of its own).
-- single: one --single-input-len prompt alone; decode tok/s = (n - 1) / (t_n - t_1) within a round
-  (the median over rounds), and end to end.
+- single: one --single-input-len prompt alone, in --single-rounds rounds; decode tok/s = (n - 1) /
+  (t_n - t_1) within a round (the median over rounds), and end to end.
+Before every run the machine settles: no engine starts while another's threads are still busy
+(bench/interleave.py's wait_for_quiet).
 Every ratio between two engines is paired: the median over rounds of the ratio within a round.
 Engines: pagebus through LLM.generate (in this process) and through `pagebus run-batch` (the
 multi-process engine, a fresh one each run; offline only, on the same prompts); HF transformers
@@ -173,11 +175,11 @@ def measure_engines(
     closers: list[Any] = []
     try:
         started = start_engines(args, job, engines, closers)
-        runs = Interleaved(started, args.rounds)
+        runs = Interleaved(started, args.rounds, single_rounds=args.single_rounds)
         log.info("offline: %s x %d in x %d out, %d rounds of %s", sizes, args.input_len, args.output_len,
                  args.rounds, [e.name for e in started])  # fmt: skip
         runs.run_offline(job["prompts"], sizes, job["output_len"])
-        log.info("single stream: %d rounds", args.rounds)
+        log.info("single stream: %d rounds", args.single_rounds)
         runs.run_single(job["single_prompt"], job["single_output_len"])
         for name, res in runs.results().items():
             engines[name] = {k: v for k, v in engines[name].items() if "error" not in res} | res
@@ -510,16 +512,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ceiling-seconds", type=float, default=1.0, help="time per ceiling measurement")
     ap.add_argument("--ceiling-square", type=int, default=2048, help="matmul size of the FLOP/s ceiling")
     ap.add_argument("--rounds", "--offline-repeats", type=_positive, default=3, dest="rounds",
-                    help="rounds of timed runs: each round times every engine once per offline size and "
-                         "single stream, the order rotating; medians kept, ratios paired by round "
+                    help="rounds of the offline part: each round times every engine once per size, the "
+                         "order rotating; medians kept, ratios paired by round "
                          "(one run on these shared machines swings 10-30%%)")  # fmt: skip
+    ap.add_argument("--single-rounds", type=_positive, default=5,
+                    help="the single stream's rounds (a few seconds each; more than the offline part's "
+                         "since one disturbed run moves a 3-round median by 5-10%%)")  # fmt: skip
     ap.add_argument("--startup-runs", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE)
     ap.add_argument("--check", action="store_true", help=f"exit 1 when a floor of {FLOORS.name} is not met")
     serve_peers.add_args(ap, prefix="serve-")
     args = ap.parse_args()
-    if args.rounds > 29:  # the single stream's prompt variants run out (_harness.single_plan)
-        ap.error(f"--rounds: at most 29, got {args.rounds}")
+    if args.single_rounds > 29:  # the single stream's prompt variants run out (_harness.single_plan)
+        ap.error(f"--single-rounds: at most 29, got {args.single_rounds}")
     args.requested_dtype = args.dtype
     args.dtype = pick_dtype(args.dtype)
     args.pagebus_flags = pagebus_flags(args) + args.pagebus_flags  # served as run offline

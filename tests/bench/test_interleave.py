@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 
-from bench.interleave import RUNNERS, EngineFailed, Interleaved, LocalEngine, PeerEngine, paired, rotated
+from bench.interleave import (
+    RUNNERS,
+    EngineFailed,
+    Interleaved,
+    LocalEngine,
+    PeerEngine,
+    paired,
+    rotated,
+    wait_for_quiet,
+)
 from bench.peer_runners._harness import WARMUP_TOKENS, single_plan
 
 
@@ -40,10 +49,14 @@ class Fake:
 PROMPTS = [[100 + i, 200 + i, 300 + i] for i in range(4)]
 
 
+def no_wait() -> tuple[float, bool]:
+    return 0.0, True
+
+
 def test_rounds_rotate_and_every_engine_runs_once_a_round() -> None:
     calls: list[tuple[str, int, int]] = []
     a, b, c = Fake("a", calls, 0.01), Fake("b", calls, 0.02), Fake("c", calls, 0.04, warm_up=False)
-    runs = Interleaved([a, b, c], rounds=3)
+    runs = Interleaved([a, b, c], rounds=3, settle=no_wait)
     runs.run_offline(PROMPTS, [2, 4], output_len=8)
     # per size: warm-ups of the engines that take one, then 3 rounds in rotated order
     per_size = [("a", WARMUP_TOKENS), ("b", WARMUP_TOKENS), *[(n, 8) for n in "abcbcacab"]]
@@ -60,7 +73,7 @@ def test_rounds_rotate_and_every_engine_runs_once_a_round() -> None:
 def test_single_stream_per_round_decode_rate() -> None:
     calls: list[tuple[str, int, int]] = []
     a, c = Fake("a", calls, 0.01), Fake("c", calls, 0.02, warm_up=False)  # c: no single stream
-    runs = Interleaved([a, c], rounds=2)
+    runs = Interleaved([a, c], rounds=2, settle=no_wait)
     runs.run_single([5, 6, 7], output_len=11)
     assert [(n, m) for n, _, m in calls] == [("a", WARMUP_TOKENS), ("a", 1), ("a", 11), ("a", 1), ("a", 11)]
     single = runs.results()["a"]["single"]
@@ -73,7 +86,7 @@ def test_single_stream_per_round_decode_rate() -> None:
 def test_a_failing_engine_is_reported_and_left_out() -> None:
     calls: list[tuple[str, int, int]] = []
     a, b = Fake("a", calls, 0.01), Fake("b", calls, 0.01, fail_at=4)  # b: warm-up + 1 round, then fails
-    runs = Interleaved([a, b], rounds=3)
+    runs = Interleaved([a, b], rounds=3, settle=no_wait)
     runs.run_offline(PROMPTS, [4], output_len=8)
     res = runs.results()
     assert res["b"] == {"error": "b broke"}
@@ -92,7 +105,64 @@ def test_rotation_and_plans() -> None:
     with pytest.raises(ValueError, match="1-29"):
         single_plan(30)
     with pytest.raises(ValueError, match="at least 1"):
-        Interleaved([], rounds=0)
+        Interleaved([], rounds=0, settle=no_wait)
+
+
+class Machine:
+    """/proc's counters as wait_for_quiet samples them: (busy CPU seconds of the whole machine, of this
+    process); each window the rest of the machine uses the next of `others` cores."""
+
+    def __init__(self, others: list[float]) -> None:
+        self.others, self.busy, self.own, self.samples = list(others), 0.0, 0.0, 0
+
+    def sample(self) -> tuple[float, float]:
+        self.samples += 1
+        return self.busy, self.own
+
+    def sleep(self, s: float) -> None:
+        t = time.monotonic()
+        time.sleep(s)
+        slept = time.monotonic() - t  # a loaded machine oversleeps: the rate stays the window's
+        self.own += 0.05  # this process's own threads never count
+        self.busy += 0.05 + (self.others.pop(0) if self.others else 0.0) * slept
+
+
+def test_wait_for_quiet_waits_out_a_busy_machine() -> None:
+    m = Machine([1.5, 0.9, 0.1])
+    waited, quiet = wait_for_quiet(
+        max_cores=0.2, window_s=0.01, timeout_s=5.0, sample=m.sample, sleep=m.sleep
+    )
+    assert quiet and m.samples == 4 and waited >= 0.03  # two busy windows, then a quiet one
+    m = Machine([1.0] * 100)
+    waited, quiet = wait_for_quiet(
+        max_cores=0.2, window_s=0.01, timeout_s=0.05, sample=m.sample, sleep=m.sleep
+    )
+    assert not quiet and 0.05 <= waited < 0.5 and m.samples < 50
+    assert wait_for_quiet(sample=lambda: None) == (0.0, True)  # no /proc: nothing to wait for
+
+
+def test_every_run_waits_for_a_quiet_machine() -> None:
+    """The settle is called before each run (warm-ups included), its waits kept per engine, and a
+    run begun on a machine that never went quiet counted; the single stream takes its own rounds."""
+    calls: list[tuple[str, int, int]] = []
+    settles: list[int] = []
+
+    def settle() -> tuple[float, bool]:
+        settles.append(len(calls))
+        return 0.5 * (len(settles) % 2), len(settles) != 3  # the third run starts busy
+
+    a, b = Fake("a", calls, 0.01), Fake("b", calls, 0.01)
+    runs = Interleaved([a, b], rounds=2, single_rounds=4, settle=settle)
+    runs.run_offline(PROMPTS, [4], output_len=8)
+    assert settles == list(range(len(calls)))  # one before every run, none after
+    runs.run_single([5, 6], output_len=4)
+    res = runs.results()
+    assert len(res["a"]["single"]["decode_runs_tokens_per_s"]) == 4
+    assert len(res["a"]["offline"]["elapsed_runs_s"]) == 2
+    assert res["a"]["settle_s_max"] == 0.5 and res["b"]["settle_s_max"] == 0.5
+    assert res["a"]["runs_begun_busy"] + res["b"]["runs_begun_busy"] == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        Interleaved([a], rounds=2, single_rounds=0, settle=no_wait)
 
 
 DRIVER = """
@@ -158,7 +228,7 @@ def test_idle_engines_cpu_is_each_engines_own(driver: list[str]) -> None:
 
     peer = PeerEngine("fake", driver, dict(os.environ), {"prompts": PROMPTS}, timeout=60)
     try:
-        runs = Interleaved([LocalEngine("local", busy), peer], rounds=2)
+        runs = Interleaved([LocalEngine("local", busy), peer], rounds=2, settle=no_wait)
         runs.run_offline(PROMPTS, [2], output_len=7)
         res = runs.results()
     finally:

@@ -27,7 +27,7 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
         ["-m", "bench.peers", "--num-requests", str(N), str(N2), "--input-len", str(IN),
          "--output-len", str(OUT), "--single-input-len", str(SINGLE_IN), "--single-output-len", str(SINGLE_OUT),
          "--peer-dir", str(missing), "--ceiling-seconds", "0.05", "--ceiling-square", "128",
-         "--rounds", "3", "--skip", "startup", "served"],
+         "--rounds", "3", "--single-rounds", "3", "--skip", "startup", "served"],
         timeout=480,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,6 +66,8 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
     # one decode rate a round (its own first-token and full runs), the median kept
     assert len(single["decode_runs_tokens_per_s"]) == 3
     assert single["decode_tokens_per_s"] == sorted(single["decode_runs_tokens_per_s"])[1]
+    # every run waited for a quiet machine first, at most the wait's 5 s timeout (plus a window)
+    assert 0 <= pb["settle_s_max"] < 6 and pb["runs_begun_busy"] >= 0
     # run-batch: the same prompts through the processes, each size, its runs interleaved with LLM.generate's.
     rb = doc["engines"]["pagebus_run_batch"]
     assert "error" not in rb, rb
