@@ -2318,9 +2318,17 @@ static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const W* __re
 
 // How far ahead of its loads two_tiles asks for each stream's lines. The tiles a thread runs
 // follow one another in memory (for_each_run), so near a tile's end this fetches the next one's
-// start. Zen 3, float16 weights, single-stream decode step against none: 512 B 0.90-0.94x,
+// start. Zen 3 (AVX2), float16 weights, single-stream decode step against none: 512 B 0.90-0.94x,
 // 1 KiB 0.87-0.90x, 2 KiB 0.95x (the hardware prefetcher alone restarts at every 4 KiB page).
+// An AVX-512 step reads 3x the columns (6x the bytes in bf16), so the same distance is a third
+// of the steps ahead: Zen 4, bf16, single-stream decode with 4 KiB against 1 KiB 1.14x and 1.11x
+// where an identical build read 1.05x and 1.08x (bench/kernel_ab.py, 10 and 16 rounds); 512 B
+// and 2 KiB 1.08x and 1.09x in the first.
+#ifdef __AVX512F__
+constexpr int64_t kStreamAhead = 4096;
+#else
 constexpr int64_t kStreamAhead = 1024;
+#endif
 
 // Up to kFewRows rows of x against two tiles at once: two independent streams from memory, for the
 // GEMV-like calls (decode of one or a few sequences) that wait on DRAM, not on FMAs.
