@@ -249,14 +249,16 @@ class Interleaved:
         rounds: int,
         single_rounds: int | None = None,
         settle: Settle = wait_for_quiet,
+        probe: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """single_rounds: the single stream's rounds (default `rounds`); settle: called before every
-        run, (seconds waited, whether the machine went quiet)."""
+        run, (seconds waited, whether the machine went quiet); probe: {name: GB/s} of the machine's
+        memory, measured around each single-stream round (see run_single)."""
         if rounds < 1 or (single_rounds is not None and single_rounds < 1):
             raise ValueError(f"rounds must be at least 1, got {rounds} and {single_rounds}")
         self.engines, self.rounds = list(engines), rounds
         self.single_rounds = rounds if single_rounds is None else single_rounds
-        self.settle = settle
+        self.settle, self.probe = settle, probe
         self.errors: dict[str, str] = {}
         self.offline: dict[str, dict[str, Any]] = {e.name: {} for e in engines}
         self.single: dict[str, dict[str, Any]] = {}
@@ -300,23 +302,39 @@ class Interleaved:
                 res = offline_result(base, [t for t, _, _ in got], sum(got[0][1]))
                 self.offline[e.name][str(n)] = res | got[0][2]
 
+    def _probe(self) -> dict[str, float]:
+        """The probe's figures on a settled machine ({} without a probe)."""
+        if self.probe is None:
+            return {}
+        self.settle()
+        return self.probe()
+
     def run_single(self, prompt: list[int], output_len: int) -> None:
+        """Each round, each engine: a one-token run, then the full one. With a probe, the machine's
+        bandwidth is measured just before and after the two (their mean kept per round): these boxes'
+        DRAM bandwidth flips between two levels ~30% apart from one few seconds to the next (a
+        256 MB read, every 0.5 s, Zen 4: 27-31 then 40-44 GB/s), so a ceiling measured once at the
+        start compared a round with whichever level it had met."""
         warm, plan = single_plan(self.single_rounds)
         singles = [e for e in self._live(self.engines) if e.single]
         for e in singles:
             self._run(e, variant([prompt], warm), WARMUP_TOKENS)
-        runs: dict[str, list[tuple[float, float, int]]] = {e.name: [] for e in singles}
+        runs: dict[str, list[tuple[float, float, int, dict[str, float]]]] = {e.name: [] for e in singles}
         for r, (v1, vn) in enumerate(plan):
             for e in rotated(self._live(singles), r):
+                before = self._probe()
                 first = self._run(e, variant([prompt], v1), 1)
                 full = self._run(e, variant([prompt], vn), output_len) if first else None
                 if first and full:
-                    runs[e.name].append((first[0], full[0], full[1][0]))
+                    after = self._probe()
+                    bw = {k: (before[k] + after[k]) / 2 for k in before.keys() & after.keys()}
+                    runs[e.name].append((first[0], full[0], full[1][0], bw))
         for e in self._live(singles):
-            got = runs[e.name]
-            t1s, tns, out = [a for a, _, _ in got], [b for _, b, _ in got], got[0][2]
-            rates = [(out - 1) / (tn - t1) for t1, tn, _ in got if out > 1 and tn > t1]
+            got = [g for g in runs[e.name] if g[2] > 1 and g[1] > g[0]]  # rounds with a decode rate
+            t1s, tns, out = [g[0] for g in runs[e.name]], [g[1] for g in runs[e.name]], runs[e.name][0][2]
+            rates = [(out - 1) / (tn - t1) for t1, tn, _, _ in got]
             tn = statistics.median(tns)
+            bandwidth = {k: [round(g[3][k], 2) for g in got] for k in (got[0][3] if got else {})}
             self.single[e.name] = {
                 "input_tokens": len(prompt),
                 "output_tokens": out,
@@ -327,7 +345,7 @@ class Interleaved:
                 # per round: (n - 1) / (t_n - t_1) of that round's two runs; the median kept
                 "decode_tokens_per_s": round(statistics.median(rates), 2) if rates else None,
                 "decode_runs_tokens_per_s": [round(x, 2) for x in rates],
-            }
+            } | ({"bandwidth_runs_gb_per_s": bandwidth} if bandwidth else {})
 
     def results(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

@@ -175,7 +175,9 @@ def measure_engines(
     closers: list[Any] = []
     try:
         started = start_engines(args, job, engines, closers)
-        runs = Interleaved(started, args.rounds, single_rounds=args.single_rounds)
+        runs = Interleaved(
+            started, args.rounds, single_rounds=args.single_rounds, probe=ceilings.memory_probe
+        )
         log.info("offline: %s x %d in x %d out, %d rounds of %s", sizes, args.input_len, args.output_len,
                  args.rounds, [e.name for e in started])  # fmt: skip
         runs.run_offline(job["prompts"], sizes, job["output_len"])
@@ -320,6 +322,19 @@ def add_ttft_floors(
         entry["floor_over_allowed"] = round(floor_ms / (entry["target"] * best_peer_ms), 3)
 
 
+def bandwidth_fraction(r: dict[str, Any], weight_bytes: int, kind: str) -> float | None:
+    """The median over single-stream rounds of weight bytes read a second / the memory's `kind`
+    GB/s measured around that round (None without those measurements)."""
+    single = r.get("single") or {}
+    rates, bw = (
+        single.get("decode_runs_tokens_per_s") or [],
+        (single.get("bandwidth_runs_gb_per_s") or {}).get(kind),
+    )
+    if not rates or not bw or len(bw) != len(rates):
+        return None
+    return round(statistics.median([t * weight_bytes / (g * 1e9) for t, g in zip(rates, bw, strict=True)]), 3)
+
+
 def _tps(r: dict[str, Any], n: int | None = None) -> float | None:
     if n is None:
         return (r.get("single") or {}).get("decode_tokens_per_s")
@@ -385,16 +400,20 @@ def targets(
                 },
             }  # fmt: skip
     same = f"llamacpp_{SAME_PRECISION_GGUF[weight_dtype(opts)]}"
-    dram = ceil["dram_gb_per_s"] * 1e9
+    dram, per_token = ceil["dram_gb_per_s"] * 1e9, model["weight_bytes_per_token"]
     decode = _tps(pb)
+    at_start = round(decode * per_token / dram, 3) if decode else None
     single = {
         "decode_tokens_per_s": decode,
         "vs_llamacpp_same_precision": {"engine": same, "ratio": paired(pb, engines.get(same, {}), None)},
         "vs_llamacpp_f16": paired(pb, engines.get("llamacpp_f16", {}), None),
-        "weight_bytes_per_token": model["weight_bytes_per_token"],
+        "weight_bytes_per_token": per_token,
         "dram_gb_per_s": ceil["dram_gb_per_s"],
-        "bandwidth_ceiling_tokens_per_s": round(dram / model["weight_bytes_per_token"], 1),
-        "bandwidth_fraction": round(decode * model["weight_bytes_per_token"] / dram, 3) if decode else None,
+        "bandwidth_ceiling_tokens_per_s": round(dram / per_token, 1),
+        # the copy measured around each round (interleave.run_single), else the one at the start
+        "bandwidth_fraction": bandwidth_fraction(pb, per_token, "copy") or at_start,
+        "bandwidth_fraction_of_read": bandwidth_fraction(pb, per_token, "read"),
+        "bandwidth_fraction_start_ceiling": at_start,
     }
     split = {str(n): paired(batch, pb, n) for n in opts.num_requests}
     return {

@@ -150,9 +150,21 @@ def fma_flops(min_s: float) -> float | None:
 
 
 def dram_bytes_per_s(mib: int, min_s: float) -> float:
+    """A copy's bytes read + written a second (the write's read for ownership not counted)."""
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), min_s)
+
+
+def dram_read_bytes_per_s(mib: int, min_s: float) -> float:
+    """Bytes read a second by a sum over them: the access a decode's weight stream makes."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    return src.numel() * 4 / _best_seconds(src.sum, min_s)
+
+
+def memory_probe(mib: int = 256, min_s: float = 0.1) -> dict[str, float]:
+    """GB/s of a copy and of a read, quickly (~0.3 s): the memory's state at one moment."""
+    return {"copy": dram_bytes_per_s(mib, min_s) / 1e9, "read": dram_read_bytes_per_s(mib, min_s) / 1e9}
 
 
 def layer_shapes(hidden: int, intermediate: int, q_dim: int, kv_dim: int) -> list[tuple[int, int]]:
@@ -198,6 +210,7 @@ def measure(
     fma = fma_flops(min_s)
     out["fma_gflops_float32"] = round(fma / 1e9, 1) if fma else None
     out["dram_gb_per_s"] = round(dram_bytes_per_s(copy_mib, min_s) / 1e9, 2)
+    out["dram_read_gb_per_s"] = round(dram_read_bytes_per_s(copy_mib, min_s) / 1e9, 2)
     out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return out
 

@@ -165,6 +165,33 @@ def test_every_run_waits_for_a_quiet_machine() -> None:
         Interleaved([a], rounds=2, single_rounds=0, settle=no_wait)
 
 
+def test_single_stream_rounds_carry_the_bandwidth_measured_around_them() -> None:
+    """The probe runs on a settled machine just before and after each engine's two runs of a round;
+    their mean is that round's figure, aligned with its decode rate."""
+    calls: list[tuple[str, int, int]] = []
+    probes: list[int] = []
+    level = iter([40.0, 30.0, 20.0, 30.0, 44.0, 40.0, 10.0, 10.0])  # before, after; a, b; two rounds
+
+    def probe() -> dict[str, float]:
+        probes.append(len(calls))
+        v = next(level)
+        return {"copy": v, "read": 2 * v}
+
+    a, b = Fake("a", calls, 0.01), Fake("b", calls, 0.02)
+    runs = Interleaved([a, b], rounds=1, single_rounds=2, settle=no_wait, probe=probe)
+    runs.run_single([5, 6], output_len=11)
+    # warm-ups (2 calls), then per engine and round: probe, first-token run, full run, probe
+    assert probes == [2, 4, 4, 6, 6, 8, 8, 10]
+    res = runs.results()
+    # round 0 runs a then b, round 1 b then a
+    assert res["a"]["single"]["bandwidth_runs_gb_per_s"] == {"copy": [35.0, 10.0], "read": [70.0, 20.0]}
+    assert res["b"]["single"]["bandwidth_runs_gb_per_s"] == {"copy": [25.0, 42.0], "read": [50.0, 84.0]}
+    assert res["a"]["single"]["decode_runs_tokens_per_s"] == [100.0, 100.0]
+    no_probe = Interleaved([a], rounds=1, settle=no_wait)
+    no_probe.run_single([5, 6], output_len=11)
+    assert "bandwidth_runs_gb_per_s" not in no_probe.results()["a"]["single"]
+
+
 DRIVER = """
 import sys, time
 sys.path.insert(0, {runners!r})

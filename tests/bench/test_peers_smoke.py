@@ -93,6 +93,14 @@ def test_peers_json_and_plot(tmp_path: Path) -> None:
             assert off_t["fma_fraction"]["run_batch"] > 0 and off_t["fma_peak_gflops"] > 0
             assert off_t["fma_fraction_for_target"] == {"vllm": None, "llamacpp_best": None}
     assert tgt["single"]["decode_tokens_per_s"] > 0 and tgt["single"]["bandwidth_fraction"] > 0
+    # the memory measured around each round: copy and read, one figure a round
+    probed = single["bandwidth_runs_gb_per_s"]
+    assert len(probed["copy"]) == len(probed["read"]) == 3 and min(probed["copy"] + probed["read"]) > 0
+    assert (
+        tgt["single"]["bandwidth_fraction_of_read"] > 0
+        and tgt["single"]["bandwidth_fraction_start_ceiling"] > 0
+    )
+    assert ceil["dram_read_gb_per_s"] > 0
     assert tgt["single"]["vs_llamacpp_same_precision"]["ratio"] is None
     assert "startup" not in tgt and "served" not in tgt  # skipped
     assert single["elapsed_s"] > 0 and single["output_tokens_per_s"] > 0
@@ -146,6 +154,19 @@ def test_check_floors() -> None:
         "targets.process_split.64",
         "targets.served.64x128x128@32.output_throughput.ratio",
     ]
+
+
+def test_bandwidth_fraction_pairs_each_round_with_its_own_measurement() -> None:
+    from bench.peers import bandwidth_fraction
+
+    gb = 10**9
+    r = {"single": {"decode_runs_tokens_per_s": [100.0, 50.0, 80.0],
+                    "bandwidth_runs_gb_per_s": {"copy": [50.0, 20.0, 40.0], "read": [100.0, 40.0, 80.0]}}}  # fmt: skip
+    # per round 100 x 0.4 GB / 50 = 0.8, 50 x 0.4 / 20 = 1.0, 80 x 0.4 / 40 = 0.8: the median 0.8
+    assert bandwidth_fraction(r, 4 * gb // 10, "copy") == 0.8
+    assert bandwidth_fraction(r, 4 * gb // 10, "read") == 0.4
+    assert bandwidth_fraction({"single": {"decode_runs_tokens_per_s": [1.0]}}, gb, "copy") is None
+    assert bandwidth_fraction({}, gb, "copy") is None
 
 
 def test_request_flops() -> None:
