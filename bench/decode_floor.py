@@ -12,13 +12,17 @@ decode interleaved with the other sequences'. Beside each op, its floor measured
 - matmuls and the LM head: their FLOPs at torch.mm's square ceiling (bench/peer_runners/ceilings.py);
 - attention: a plain read of exactly the K/V blocks it reads, in the same order (a tiny native
   reader built here), and of as many blocks lying in order, one sequence's after another's; and
-  the kernel itself on one layer's cache for every call (K/V in L3: its arithmetic alone).
+  the kernel itself on one layer's cache for every call (K/V in L3: its arithmetic alone);
+- the weights (the floor of a step of one or a few rows, which streams them): each op's as a plain
+  read, layer after layer as the op reads them, and all of them as one region.
 Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +65,27 @@ int64_t read_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torc
   });
   return total;
 }
+
+// A plain read of a contiguous tensor, each thread a contiguous share front to back (the hardware
+// prefetcher's best case), summed so the loads stay: the floor of a GEMV that streams its weights.
+int64_t read_flat(torch::Tensor w) {
+  const char* base = static_cast<const char*>(w.data_ptr());
+  const int64_t lines = w.numel() * w.element_size() / 64;
+  std::atomic<int64_t> total{0};
+  at::parallel_for(0, lines, 256, [&](int64_t l0, int64_t l1) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t l = l0; l < l1; ++l) {
+      acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * l)));
+      acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * l + 32)));
+    }
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    int64_t s = 0;
+    for (int32_t x : lanes) s += x;
+    total += s;
+  });
+  return total;
+}
 """
 
 
@@ -68,7 +93,7 @@ def _reader() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="pagebus_bench_read_blocks", cpp_sources=[_READER], functions=["read_blocks"],
+        name="pagebus_bench_read_blocks", cpp_sources=[_READER], functions=["read_blocks", "read_flat"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
     )  # fmt: skip
 
@@ -219,6 +244,42 @@ def measure(
     scattered = best_of(lambda: [reader.read_blocks(w["k"], w["v"], tables, lens) for w in layers], reps)
     in_order = torch.arange(1, tables.numel() + 1, dtype=torch.int32).view_as(tables)
     contiguous = best_of(lambda: [reader.read_blocks(w["k"], w["v"], in_order, lens) for w in layers], reps)
+    # the weights: each op's read as a plain stream, layer after layer as the op runs them, and
+    # all of them as one region (what a GEMV step would read if nothing split it into regions)
+    matmuls = ("qkv", "o", "gate_up", "down")
+    weight_bytes = {k: sum(w[k].numel() * w[k].element_size() for w in layers) for k in matmuls}
+    weight_bytes["lm_head"] = lm_head.numel() * lm_head.element_size()
+    read_ms = {k: round(best_of(each(lambda w, k=k: reader.read_flat(w[k])), reps) * 1e3, 3) for k in matmuls}
+    read_ms["lm_head"] = round(best_of(lambda: reader.read_flat(lm_head), reps) * 1e3, 3)
+    one_region = torch.ones(sum(weight_bytes.values()), dtype=torch.uint8)
+    one_read_ms = round(best_of(lambda: reader.read_flat(one_region), reps) * 1e3, 3)
+    # In step order (each layer's qkv, o, gate_up, down, then the LM head): the matmuls alone, a
+    # plain read of the same regions, and one region of their bytes, timed in turn round after round
+    # (the box's memory speed changes by ~30% from one second to the next), ratios paired by round.
+    in_order = [w[k] for w in layers for k in matmuls] + [lm_head]
+    rows_in = {"qkv": x, "o": a, "gate_up": x, "down": s}
+    step_runs: dict[str, Callable[[], object]] = {
+        "matmuls": lambda: ([ops.linear_tiles(rows_in[k], w[k]) for w in layers for k in matmuls],
+                            ops.linear_tiles(x, lm_head)),
+        "read_regions": lambda: [reader.read_flat(t) for t in in_order],
+        "read_one_region": lambda: reader.read_flat(one_region),
+    }  # fmt: skip
+    step_ms: dict[str, list[float]] = {k: [] for k in step_runs}
+    for fn in step_runs.values():
+        fn()
+    for _ in range(3 * reps):
+        for k, fn in step_runs.items():
+            t0 = time.perf_counter()
+            fn()
+            step_ms[k].append(time.perf_counter() - t0)
+    one = step_ms["read_one_region"]
+    weights_in_step_order = {
+        "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in step_ms.items()},
+        "over_one_region": {  # per round, the median kept
+            k: round(statistics.median(t / o for t, o in zip(v, one, strict=True)), 3)
+            for k, v in step_ms.items() if k != "read_one_region"
+        },
+    }  # fmt: skip
     total = sum(ms.values())
     return {
         "batch": batch, "context": context, "prompt": prompt,
@@ -239,6 +300,15 @@ def measure(
             "kernel": round(kv_bytes / ms["attention"] / 1e6, 1),  # ms: bytes / 1e6 / ms = GB/s
             "read_same_blocks": round(kv_bytes / scattered / 1e9, 1),
             "read_blocks_in_order": round(kv_bytes / contiguous / 1e9, 1),
+        },
+        "weights_mb": round(sum(weight_bytes.values()) / 1e6, 1),
+        "weights_read_ms": read_ms,  # per op, a plain read of its weights layer by layer
+        "weights_one_region_read_ms": one_read_ms,  # the same bytes as one region
+        "weights_in_step_order": weights_in_step_order,
+        "weights_gb_per_s": {
+            "matmul": {k: round(b / ms[k] / 1e6, 1) for k, b in weight_bytes.items()},
+            "read": {k: round(b / read_ms[k] / 1e6, 1) for k, b in weight_bytes.items()},
+            "one_region": round(sum(weight_bytes.values()) / one_read_ms / 1e6, 1),
         },
         "share_of_step": {k: round(v / total, 3) for k, v in ms.items()},
     }  # fmt: skip
