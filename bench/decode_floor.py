@@ -36,6 +36,14 @@ _READER = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+static int64_t lane_sum(__m256i acc) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  int64_t s = 0;
+  for (int32_t x : lanes) s += x;
+  return s;
+}
+
 // Every row of every sequence's blocks, K then V, in table order (as decode attention reads
 // them), summed so the loads stay; the next-but-one block prefetched as the kernel does.
 int64_t read_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor lens) {
@@ -57,11 +65,7 @@ int64_t read_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torc
             acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o)));
         }
       }
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
-    int64_t s = 0;
-    for (int32_t x : lanes) s += x;
-    total += s;
+    total += lane_sum(acc);
   });
   return total;
 }
@@ -78,11 +82,7 @@ int64_t read_flat(torch::Tensor w) {
       acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * l)));
       acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * l + 32)));
     }
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
-    int64_t s = 0;
-    for (int32_t x : lanes) s += x;
-    total += s;
+    total += lane_sum(acc);
   });
   return total;
 }
