@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psutil
 from pagebus.workers.threads import cpu_seconds
@@ -51,6 +51,7 @@ from bench.peer_runners._harness import (
 )
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+T = TypeVar("T")
 
 
 class EngineFailed(RuntimeError):
@@ -234,7 +235,7 @@ def wait_for_quiet(
 Settle = Callable[[], tuple[float, bool]]
 
 
-def rotated(engines: Sequence[Engine], r: int) -> list[Engine]:
+def rotated(engines: Sequence[T], r: int) -> list[T]:
     """Round r's order: each engine takes each place in turn, so none always runs first or last."""
     k = r % len(engines) if engines else 0
     return [*engines[k:], *engines[:k]]

@@ -29,7 +29,8 @@ caching is off and every timed run gets prompts no run has seen.
 is emulated there); pagebus, HF and vLLM run it. llama.cpp runs every format worth trying: F32, F16,
 Q8_0 and the Q4_1 original, and BF16 too where bf16 is native.
 Then pagebus's start-up to Ready (`pagebus serve` until it answers, with the split it logs) and the
-served benchmark (bench/serve_peers.py: vLLM's own client against each server).
+served benchmark (bench/serve_peers.py: vLLM's own client against each server, --serve-rounds
+rounds, ratios paired by round).
 
 "targets" holds the issue's ratios: offline (pagebus / vLLM, pagebus / llama.cpp's best format, and
 the fraction of the compute ceiling = workload FLOPs / time / matmul FLOP/s in pagebus's dtype; in

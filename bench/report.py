@@ -190,8 +190,10 @@ def render(doc: dict[str, Any], source: str) -> str:
         "",
     ]
     if served := served_table(doc):
+        rounds = (doc.get("config") or {}).get("serve_rounds")
+        how = f", in {rounds} rounds (ratios paired by round)" if rounds else ""
         lines += [
-            "Served, with vLLM's own `vllm bench serve` client against each server in turn:",
+            f"Served, with vLLM's own `vllm bench serve` client against each server in turn{how}:",
             "",
             *served,
             "",

@@ -2,14 +2,17 @@
 
     bench/setup_peers.sh                       # once: the peers' venvs (vLLM's holds the client)
     python -m bench.serve_peers [--engines pagebus vllm llamacpp] [--dtype auto]
-        [--workloads 64x128x128@32 8x1024x64@1] [--llamacpp-formats q4_1] [--peer-dir DIR]
+        [--workloads 64x128x128@32 8x1024x64@1] [--llamacpp-formats q4_1] [--peer-dir DIR] [--rounds 2]
 
-Each server starts in turn on a free 127.0.0.1 port with its best flags for the machine, is polled
-until /v1/models answers (bounded), gets every workload from vLLM's own benchmark client
-(`vllm bench serve --backend openai --dataset-name random --ignore-eos --temperature 0` through
+Each server starts in turn on a free 127.0.0.1 port with its best flags for the machine and is
+polled until /v1/models answers (bounded); all stay up. Then, --rounds times, every workload runs
+against each server in turn (the order rotating from round to round, each run on a settled
+machine: bench/interleave.py), from vLLM's own benchmark client (`vllm bench serve --backend
+openai --dataset-name random --ignore-eos --temperature 0` through
 bench/peer_runners/vllm_bench_serve.py in the vLLM peer venv, tokenizer = the HF directory
-setup_peers.sh writes), and is stopped. A workload
-NxINxOUT@C is N prompts of IN random tokens, OUT output tokens each, at most C in flight.
+setup_peers.sh writes); then every server is stopped. A workload NxINxOUT@C is N prompts of IN
+random tokens, OUT output tokens each, at most C in flight. Each server's figures for a workload
+are its round of the median tok/s, every round's under "rounds"; ratios are paired by round.
 - pagebus: `pagebus serve --dtype D --no-enable-prefix-caching` (this repo's venv).
 - vllm: `vllm.entrypoints.openai.api_server --dtype D --enforce-eager --no-enable-prefix-caching`
   (eager: torch.compile costs 64-96 s per start on 2 cores and its cache does not reload).
@@ -21,7 +24,8 @@ D is --dtype (auto: bfloat16 where the CPU has native bf16, else float32), the s
 vLLM. Without the vLLM peer, bench/serve.py's client (the same definitions) measures instead and
 each result names its client. A server that fails to start is reported, not fatal; a peer not set up
 is "skipped". ratios: pagebus / best peer per workload (output tok/s: higher is better, target
->= 1.5; P99 TTFT: lower is better, target <= 0.5). Prints one JSON object; logs on stderr.
+>= 1.5; P99 TTFT: lower is better, target <= 0.5), the median over rounds of the ratio within a
+round. Prints one JSON object; logs on stderr.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import emit, log, setup_logging
+from bench.interleave import rotated, wait_for_quiet
 from bench.peer_runners.ceilings import cpu_info, native_bf16
 from bench.ports import free_port
 
@@ -280,59 +286,86 @@ def server_configs(opts: argparse.Namespace, peer_dir: Path, max_len: int) -> li
     return out
 
 
-def measure_server(
-    name: str, build: Any, opts: argparse.Namespace, vllm: dict[str, Any] | None, out_dir: Path
-) -> dict[str, Any]:
+def start_one(
+    name: str, build: Any, opts: argparse.Namespace, out_dir: Path
+) -> tuple[Server | None, dict[str, Any]]:
+    """The server started and what its start says (command, model, ready_s, pagebus's split), or
+    None and its error."""
     port = free_port()
     cmd, env = build(port)
     try:
         srv = start_server(name, cmd, env, port, out_dir, opts.ready_timeout)
     except RuntimeError as e:
         log.error("%s", e)
-        return {"error": str(e), "command": shlex.join(cmd)}
+        return None, {"error": str(e), "command": shlex.join(cmd)}
     result: dict[str, Any] = {"command": shlex.join(cmd), "model": srv.model, "ready_s": srv.ready_s}
     if name == "pagebus":
         result["startup_split_s"] = startup_split(srv.log_path)
+    return srv, result
+
+
+def serve_once(
+    srv: Server, w: Workload, opts: argparse.Namespace, vllm: dict[str, Any] | None, out_dir: Path
+) -> dict[str, Any]:
+    """One client run of workload w against srv: its figures, or its error."""
+    load = round(os.getloadavg()[0], 2)
     try:
-        for w in opts.workloads:
-            load = round(os.getloadavg()[0], 2)
-            try:
-                if vllm is not None:
-                    r = run_vllm_client(vllm, srv, w, out_dir, opts.client_timeout, opts.seed)
-                else:
-                    r = run_own_client(srv, w, opts.client_timeout, opts.seed)
-            except (RuntimeError, subprocess.TimeoutExpired, TimeoutError) as e:
-                log.error("%s %s: %s", name, w.name, e)
-                r = {"error": f"{type(e).__name__}: {e}"}
-            result[w.name] = {"loadavg_1m_at_start": load} | r
-            log.info("%s %s: %s tok/s, P99 TTFT %s ms", name, w.name, r.get("output_throughput"),
-                     r.get("ttft_ms", {}).get("p99"))  # fmt: skip
-            if srv.proc.poll() is not None:
-                result["error"] = f"exited with {srv.proc.returncode} while serving: {_tail(srv.log_path)}"
-                break
-    finally:
-        stop_server(srv)
-    return result
+        if vllm is not None:
+            r = run_vllm_client(vllm, srv, w, out_dir, opts.client_timeout, opts.seed)
+        else:
+            r = run_own_client(srv, w, opts.client_timeout, opts.seed)
+    except (RuntimeError, subprocess.TimeoutExpired, TimeoutError) as e:
+        log.error("%s %s: %s", srv.name, w.name, e)
+        r = {"error": f"{type(e).__name__}: {e}"}
+    log.info("%s %s: %s tok/s, P99 TTFT %s ms", srv.name, w.name, r.get("output_throughput"),
+             r.get("ttft_ms", {}).get("p99"))  # fmt: skip
+    return {"loadavg_1m_at_start": load} | r
+
+
+def _p99(r: dict[str, Any]) -> float | None:
+    return (r.get("ttft_ms") or {}).get("p99")
+
+
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A workload's figures over its rounds: the round of the median output tok/s (the lower of
+    the middle two), with every round's tok/s and P99 TTFT under "rounds" (None where it failed)."""
+    ok = sorted((r for r in runs if r.get("output_throughput")), key=lambda r: r["output_throughput"])
+    rounds = [{"output_throughput": r.get("output_throughput"), "p99_ttft_ms": _p99(r)} for r in runs]
+    return (ok[(len(ok) - 1) // 2] if ok else runs[-1]) | {"rounds": rounds}
+
+
+def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> float | None:
+    """The median over rounds of a's figure / b's in the same round."""
+    pairs = [(x[key], y[key]) for x, y in zip(a, b, strict=False) if x.get(key) and y.get(key)]
+    return round(statistics.median([x / y for x, y in pairs]), 3) if pairs else None
+
+
+def _ratio(pb: dict[str, Any], peer: dict[str, Any], key: str, unpaired: float) -> float:
+    paired = _paired(pb.get("rounds") or [], peer.get("rounds") or [], key)
+    return paired if paired is not None else round(unpaired, 3)
 
 
 def ratios(engines: dict[str, dict[str, Any]], workloads: list[Workload]) -> dict[str, Any]:
-    """Per workload: pagebus / the best peer, for output tok/s and for P99 TTFT."""
+    """Per workload: pagebus / the best peer, for output tok/s and for P99 TTFT; paired by round
+    (the median of the ratios within a round) where both carry rounds, else their figures'."""
     out: dict[str, Any] = {}
     for w in workloads:
         by_engine = {n: r.get(w.name, {}) for n, r in engines.items()}
         pb = by_engine.pop("pagebus", {})
         peers = {n: r for n, r in by_engine.items() if r.get("output_throughput")}
         entry: dict[str, Any] = {"pagebus_output_throughput": pb.get("output_throughput"),
-                                 "pagebus_p99_ttft_ms": (pb.get("ttft_ms") or {}).get("p99")}  # fmt: skip
+                                 "pagebus_p99_ttft_ms": _p99(pb)}  # fmt: skip
+
         if peers and entry["pagebus_output_throughput"]:
             best_tp = max(peers, key=lambda n: peers[n]["output_throughput"])
-            r = round(entry["pagebus_output_throughput"] / peers[best_tp]["output_throughput"], 3)
+            r = _ratio(pb, peers[best_tp], "output_throughput",
+                       entry["pagebus_output_throughput"] / peers[best_tp]["output_throughput"])  # fmt: skip
             entry["output_throughput"] = {"best_peer": best_tp, "ratio": r, "target": TARGET_OUTPUT_RATIO,
                                           "met": r >= TARGET_OUTPUT_RATIO}  # fmt: skip
-        ttfts = {n: p["ttft_ms"]["p99"] for n, p in peers.items() if (p.get("ttft_ms") or {}).get("p99")}
+        ttfts = {n: t for n, p in peers.items() if (t := _p99(p))}
         if ttfts and entry["pagebus_p99_ttft_ms"]:
             best_ttft = min(ttfts, key=lambda n: ttfts[n])
-            r = round(entry["pagebus_p99_ttft_ms"] / ttfts[best_ttft], 3)
+            r = _ratio(pb, peers[best_ttft], "p99_ttft_ms", entry["pagebus_p99_ttft_ms"] / ttfts[best_ttft])
             entry["p99_ttft"] = {"best_peer": best_ttft, "ratio": r, "target": TARGET_TTFT_RATIO,
                                  "met": r <= TARGET_TTFT_RATIO}  # fmt: skip
         out[w.name] = entry
@@ -340,7 +373,11 @@ def ratios(engines: dict[str, dict[str, Any]], workloads: list[Workload]) -> dic
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
-    """Every server, every workload; the "engines" and "ratios" of the JSON."""
+    """Every server, every workload; the "engines" and "ratios" of the JSON. The servers start one
+    after another and stay up; then each round runs every workload against each server in turn,
+    the order rotating, each run on a settled machine (bench/interleave.py): these VMs' memory
+    speed changes by ~30% within seconds, and servers timed minutes apart compared those moments
+    (one engine's code read 1.59x and 1.49x vLLM's served tok/s in two runs 35 minutes apart)."""
     peer_dir = Path(opts.peer_dir).expanduser()
     vllm = load_manifest(peer_dir, "vllm") if opts.client in ("auto", "vllm") else None
     if opts.client == "vllm" and vllm is None:
@@ -348,12 +385,37 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     longest = max(w.input_len + w.output_len for w in opts.workloads)
     max_len = max(2048, -(-(longest + 64) // 256) * 256)  # the client's re-tokenized text may run long
     engines: dict[str, dict[str, Any]] = {}
+    live: dict[str, Server] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory(prefix="serve_peers.") as d:
-        for name, build in server_configs(opts, peer_dir, max_len):
-            if isinstance(build, dict):
-                engines[name] = build
-                continue
-            engines[name] = measure_server(name, build, opts, vllm, Path(d))
+        try:
+            for name, build in server_configs(opts, peer_dir, max_len):
+                if isinstance(build, dict):
+                    engines[name] = build
+                    continue
+                srv, engines[name] = start_one(name, build, opts, Path(d))
+                if srv is not None:
+                    live[name], runs[name] = srv, {w.name: [] for w in opts.workloads}
+                    engines[name] |= {"settle_s_max": 0.0, "runs_begun_busy": 0}
+            for r in range(opts.serve_rounds):
+                for w in opts.workloads:
+                    for name in rotated(list(live), r):
+                        waited, quiet = wait_for_quiet()
+                        e = engines[name]
+                        e["settle_s_max"] = max(e["settle_s_max"], round(waited, 2))
+                        e["runs_begun_busy"] += not quiet
+                        runs[name][w.name].append(serve_once(live[name], w, opts, vllm, Path(d)))
+                        if live[name].proc.poll() is not None:
+                            rc = live[name].proc.returncode
+                            e["error"] = f"exited with {rc} while serving: {_tail(live[name].log_path)}"
+                            stop_server(live.pop(name))
+        finally:
+            for srv in live.values():
+                stop_server(srv)
+    for name, by_workload in runs.items():
+        for wname, got in by_workload.items():
+            if got:
+                engines[name][wname] = median_round(got)
     return {"client": "vllm.benchmarks.serve" if vllm else "bench.serve", "engines": engines,
             "ratios": ratios(engines, opts.workloads)}  # fmt: skip
 
@@ -371,6 +433,8 @@ def add_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="auto: vLLM's client where the vLLM peer is set up, else bench/serve.py's")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to answer")
     ap.add_argument("--client-timeout", type=float, default=1800.0, help="seconds per workload")
+    ap.add_argument(f"--{prefix}rounds", dest="serve_rounds", type=int, default=2,
+                    help="rounds: each runs every workload against each server in turn, ratios paired by round")  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
