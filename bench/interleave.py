@@ -209,6 +209,7 @@ def wait_for_quiet(
     timeout_s: float = 5.0,
     sample: Callable[[], tuple[float, float] | None] = cpu_seconds,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[float, bool]:
     """Waits, a window at a time, until the rest of the machine (all but this process, whose
     threads are the in-process engine's) used under `max_cores` cores over a window, or
@@ -217,10 +218,10 @@ def wait_for_quiet(
     if last is None:  # no /proc to tell: nothing to wait for
         return 0.0, True
     while True:
-        t = time.monotonic()
+        t = clock()
         sleep(window_s)
         cur = sample()
-        elapsed = time.monotonic() - t
+        elapsed = clock() - t
         waited += elapsed
         if cur is None:
             return waited, True

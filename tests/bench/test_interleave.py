@@ -109,35 +109,35 @@ def test_rotation_and_plans() -> None:
 
 
 class Machine:
-    """/proc's counters as wait_for_quiet samples them: (busy CPU seconds of the whole machine, of this
-    process); each window the rest of the machine uses the next of `others` cores."""
+    """/proc's counters as wait_for_quiet samples them, on a clock of its own: (busy CPU seconds of
+    the whole machine, of this process); each window the rest of the machine uses the next of
+    `others` cores, and a window takes `slow` times as long as asked (a loaded machine oversleeps)."""
 
-    def __init__(self, others: list[float]) -> None:
-        self.others, self.busy, self.own, self.samples = list(others), 0.0, 0.0, 0
+    def __init__(self, others: list[float], slow: float = 1.0) -> None:
+        self.others, self.slow = list(others), slow
+        self.now, self.busy, self.own, self.samples = 0.0, 0.0, 0.0, 0
 
     def sample(self) -> tuple[float, float]:
         self.samples += 1
         return self.busy, self.own
 
+    def clock(self) -> float:
+        return self.now
+
     def sleep(self, s: float) -> None:
-        t = time.monotonic()
-        time.sleep(s)
-        slept = time.monotonic() - t  # a loaded machine oversleeps: the rate stays the window's
+        slept = s * self.slow
+        self.now += slept
         self.own += 0.05  # this process's own threads never count
         self.busy += 0.05 + (self.others.pop(0) if self.others else 0.0) * slept
 
 
 def test_wait_for_quiet_waits_out_a_busy_machine() -> None:
-    m = Machine([1.5, 0.9, 0.1])
-    waited, quiet = wait_for_quiet(
-        max_cores=0.2, window_s=0.01, timeout_s=5.0, sample=m.sample, sleep=m.sleep
-    )
-    assert quiet and m.samples == 4 and waited >= 0.03  # two busy windows, then a quiet one
+    m = Machine([1.5, 0.9, 0.1], slow=1.5)
+    waited, quiet = wait_for_quiet(0.2, 0.2, 5.0, sample=m.sample, sleep=m.sleep, clock=m.clock)
+    assert quiet and m.samples == 4 and waited == pytest.approx(0.9)  # two busy windows, then a quiet one
     m = Machine([1.0] * 100)
-    waited, quiet = wait_for_quiet(
-        max_cores=0.2, window_s=0.01, timeout_s=0.05, sample=m.sample, sleep=m.sleep
-    )
-    assert not quiet and 0.05 <= waited < 0.5 and m.samples < 50
+    waited, quiet = wait_for_quiet(0.2, 0.2, 1.0, sample=m.sample, sleep=m.sleep, clock=m.clock)
+    assert not quiet and waited == pytest.approx(1.0) and m.samples == 6  # gave up after 5 windows
     assert wait_for_quiet(sample=lambda: None) == (0.0, True)  # no /proc: nothing to wait for
 
 
