@@ -76,7 +76,7 @@ from bench.interleave import (
 from bench.peer_runners import ceilings
 from bench.peer_runners._harness import Generate
 from bench.ports import free_port
-from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype
+from bench.serve_peers import DEFAULT_PEER_DIR, NOT_SET_UP, load_manifest, peer_env, pick_dtype, positive_int
 from bench.throughput import make_prompts
 
 RUNNERS = Path(__file__).resolve().parent / "peer_runners"
@@ -497,13 +497,6 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, nargs="+", default=[32, 64], help="offline batch sizes")
@@ -531,11 +524,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-compiled", action="store_true", help="torch.compile vLLM (+64-96 s start)")
     ap.add_argument("--ceiling-seconds", type=float, default=1.0, help="time per ceiling measurement")
     ap.add_argument("--ceiling-square", type=int, default=2048, help="matmul size of the FLOP/s ceiling")
-    ap.add_argument("--rounds", "--offline-repeats", type=_positive, default=3, dest="rounds",
+    ap.add_argument("--rounds", "--offline-repeats", type=positive_int, default=3, dest="rounds",
                     help="rounds of the offline part: each round times every engine once per size, the "
                          "order rotating; medians kept, ratios paired by round "
                          "(one run on these shared machines swings 10-30%%)")  # fmt: skip
-    ap.add_argument("--single-rounds", type=_positive, default=5,
+    ap.add_argument("--single-rounds", type=positive_int, default=5,
                     help="the single stream's rounds (a few seconds each; more than the offline part's "
                          "since one disturbed run moves a 3-round median by 5-10%%)")  # fmt: skip
     ap.add_argument("--startup-runs", type=int, default=2)

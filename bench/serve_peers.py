@@ -420,6 +420,14 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "ratios": ratios(engines, opts.workloads)}  # fmt: skip
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     """The options, shared with bench/peers.py (which passes prefix="serve-" for the ambiguous ones)."""
     ap.add_argument(f"--{prefix}workloads", dest="workloads", nargs="+", type=parse_workload,
@@ -433,7 +441,7 @@ def add_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="auto: vLLM's client where the vLLM peer is set up, else bench/serve.py's")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to answer")
     ap.add_argument("--client-timeout", type=float, default=1800.0, help="seconds per workload")
-    ap.add_argument(f"--{prefix}rounds", dest="serve_rounds", type=int, default=2,
+    ap.add_argument(f"--{prefix}rounds", dest="serve_rounds", type=positive_int, default=2,
                     help="rounds: each runs every workload against each server in turn, ratios paired by round")  # fmt: skip
 
 

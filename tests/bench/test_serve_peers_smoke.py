@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_peers import median_round, parse_workload, ratios, startup_split
+from bench.serve_peers import median_round, parse_workload, positive_int, ratios, startup_split
 
 pytestmark = pytest.mark.slow  # starts pagebus serve on the real default model
 
@@ -98,3 +98,9 @@ def test_rounds_are_paired() -> None:
     # figures without rounds (one run each, as before): their own ratio
     one = {"pagebus": {w.name: _round(30.0, 3.0)}, "vllm": {w.name: _round(20.0, 4.0)}}
     assert ratios(one, [w])[w.name]["output_throughput"]["ratio"] == 1.5
+
+
+def test_rounds_must_be_positive() -> None:
+    assert positive_int("2") == 2
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 1, got 0"):
+        positive_int("0")
