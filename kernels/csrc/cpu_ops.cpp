@@ -1052,10 +1052,15 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
     // threads, builds interleaved (bench/attention_ab.py), from DRAM, time with / without: 64 x 192
     // tokens 0.71, 32 x 192 0.72, 8 x 2048 0.85; 16 x 512 0.66-0.74, 128 x 160 0.66, 4 x 4096 0.84
     // (capped at 192 KiB a claim there: 0.95). Without the L1 prefetch beside it: 0.74 and 0.86.
+    // A thread's last claim (a single stream's only one) fetches its own V over its K pass instead:
+    // one sequence of 1,024 tokens 0.72 and 0.82 (two runs), two sequences 0.91; 1.07-1.17x with
+    // the K/V in L3, which the weights streaming through between two layers leave no K/V in.
     const bool fetch = KP && after < B && qp0[after + 1] - qp0[after] == 1;
     const int64_t nb_next = fetch ? (lp[after] + bs - 1) / bs : 0, nb_here = (lp[b] + bs - 1) / bs;
-    Trickle k_next = fetch ? Trickle(kc, btp + after * width, ks0 * 2, nb_next, nb_here * kvh * k_steps) : Trickle();
-    Trickle v_next = fetch ? Trickle(vc, btp + after * width, s0 * 2, nb_next, kvh * v_calls * ((lp[b] + 1) / 2))
+    Trickle in_k_pass = fetch ? Trickle(kc, btp + after * width, ks0 * 2, nb_next, nb_here * kvh * k_steps)
+                     : KP  ? Trickle(vc, btp + b * width, s0 * 2, nb_here, nb_here * kvh * k_steps)
+                           : Trickle();
+    Trickle in_v_pass = fetch ? Trickle(vc, btp + after * width, s0 * 2, nb_next, kvh * v_calls * ((lp[b] + 1) / 2))
                            : Trickle();
     thread_local std::vector<float> scores, inv;
     thread_local std::vector<bf16> probs;
@@ -1078,7 +1083,7 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
               for (int64_t a = 1; a < kKvAhead && a < nb; ++a) prefetch_row(kc + table[a] * ks0 + g * run, run * 2);
             const bf16* next = j + kKvAhead < nb ? kc + table[j + kKvAhead] * ks0 + g * run : nullptr;
             tokens_scores<NV, NV <= 4 ? 3 : 2>(qt + g * group * d, kb + g * run, next, n, sc, sp + g * group * L + j0,
-                                               L, group, &k_next);
+                                               L, group, &in_k_pass);
           }
         }
       }
@@ -1102,10 +1107,10 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
         const int64_t end = hh + group;
         for (; hh + HC <= end; hh += HC)
           heads_times_v_pairs<NV, HC>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
-                                      ot + hh * d, d, &v_next);
+                                      ot + hh * d, d, &in_v_pass);
         for (; hh < end; ++hh)
           heads_times_v_pairs<NV, 1>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
-                                     ot + hh * d, d, &v_next);
+                                     ot + hh * d, d, &in_v_pass);
       }
     }
   });
