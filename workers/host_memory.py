@@ -1,5 +1,5 @@
 """Host memory for a CPU worker: glibc malloc settings, so that freed activation buffers stay
-mapped for the next step, and huge pages for the KV cache.
+mapped for the next step, and huge pages for the KV cache and the weights.
 
 By default glibc serves an allocation above its mmap threshold (128 KiB, raised dynamically up to
 32 MiB) with a fresh mmap and returns it with munmap when freed, and trims the heap's free top
@@ -102,3 +102,46 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if not _madvise(addr + off, length, _MADV_POPULATE_WRITE):
         t.zero_()  # an older kernel: touching every page faults them in (as huge pages)
     return t
+
+
+def memory_order(t: torch.Tensor) -> list[int]:
+    """The permutation of t's dims that lays its storage out contiguously (a CPU weight can be a
+    transposed view, layers/linear.py `_weight_storage`)."""
+    strides = t.stride()
+    return sorted(range(t.dim()), key=lambda d: (-strides[d], d))
+
+
+# The weights in huge pages too. A decode step streams every weight from DRAM, tile after tile;
+# in 4 KiB pages that is a TLB miss and a page walk every 4 KiB (66,000 a step for the default
+# model in bf16), and the hardware prefetcher stops at each page's end. Zen 4, bf16 tiles of the
+# default model's 121 matmuls, 4 KiB apart in one 2 MiB-page mapping against torch's own
+# allocations, 30 interleaved rounds, paired medians: one row (a single stream's GEMVs) 0.945 and
+# 0.954 of the time, 64 rows 0.973 and 0.975.
+_WEIGHT_ALIGN = 4096
+
+
+def into_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Move each dense CPU tensor's data (`.data`, so a Parameter keeps its identity) into one
+    mapping of huge_page_zeros, in the order given, at offsets that are multiples of 4 KiB, with
+    its shape and strides; others (empty, not dense, not on the CPU) stay where they are. Whoever
+    took a reference to an old tensor (a layer's bound matmul) must take it again. Returns the
+    bytes moved."""
+    dense = []
+    for t in tensors:
+        order = memory_order(t)
+        if t.device.type == "cpu" and t.numel() > 0 and t.permute(order).is_contiguous():
+            dense.append((t, order))
+    slots, total = [], 0
+    for t, _ in dense:
+        slots.append(total)
+        total += -(-t.numel() * t.element_size() // _WEIGHT_ALIGN) * _WEIGHT_ALIGN
+    if total == 0:
+        return 0
+    arena = huge_page_zeros((total,), torch.uint8)
+    for (t, order), start in zip(dense, slots, strict=True):
+        flat = t.permute(order)
+        nbytes = t.numel() * t.element_size()
+        moved = arena[start : start + nbytes].view(t.dtype).view(flat.shape)
+        moved.copy_(flat)
+        t.data = moved.permute(sorted(range(t.dim()), key=order.__getitem__))
+    return sum(t.numel() * t.element_size() for t, _ in dense)

@@ -39,7 +39,7 @@ from pagebus.workers.device import (
 from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
 from pagebus.workers.forward_batch import ForwardBatch
-from pagebus.workers.host_memory import huge_page_zeros, keep_freed_memory
+from pagebus.workers.host_memory import huge_page_zeros, into_huge_pages, keep_freed_memory
 from pagebus.workers.input_batch import InputBuffers, StepTensors
 from pagebus.workers.kv_scales import KVScales, calibrate_kv_scales
 from pagebus.workers.layers.quant import select as quant_select
@@ -62,7 +62,13 @@ from pagebus.workers.spec.draft import DraftModel
 from pagebus.workers.spec.verify import accepted_tokens, verify_rows
 from pagebus.workers.structured import GrammarStates
 from pagebus.workers.threads import CoreShare
-from pagebus.workers.weight_cache import WeightCache, cache_key, weight_cache_applies
+from pagebus.workers.weight_cache import (
+    WeightCache,
+    cache_key,
+    held_tensors,
+    rebind_held_weights,
+    weight_cache_applies,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +199,11 @@ class ModelRunner:
                 cfg.quantization,
                 cfg.weight_cache,
             )
+        if not on_cuda and weight_cache_applies(self.model, self.device):
+            # the weights a decode step streams, in 2 MiB pages (host_memory.py into_huge_pages)
+            moved = into_huge_pages(list(held_tensors(self.model).values()))
+            rebind_held_weights(self.model)
+            log.info("weights: %.1f MiB moved into huge pages", moved / 2**20)
         t_weights = time.monotonic()
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before if on_cuda else 0
         mc = self.model_config

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from pagebus.bus.config import cache_root
 from pagebus.workers.distributed.state import current
+from pagebus.workers.host_memory import memory_order
 from pagebus.workers.layers.linear import Linear
 from torch import nn
 
@@ -90,16 +91,17 @@ def weight_cache_applies(model: nn.Module, device: torch.device) -> bool:
     return device.type == "cpu" and bool(linears) and all(m.quant_method.held_in_tensors for m in linears)
 
 
-def _held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer once (a tied embedding's matrix is the head's)."""
     return dict([*model.named_parameters(), *model.named_buffers()])
 
 
-def _memory_order(t: torch.Tensor) -> list[int]:
-    """The permutation of t's dims that lays its storage out contiguously (a CPU weight can be a
-    transposed view, linear.py `_weight_storage`): saved that way and put back as the same view."""
-    strides = t.stride()
-    return sorted(range(t.dim()), key=lambda d: (-strides[d], d))
+def rebind_held_weights(model: nn.Module) -> None:
+    """Every Linear takes its calls again from the tensors it now holds (after they were put back
+    from a cache entry or moved)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.bind_held_weights()
 
 
 class WeightCache:
@@ -117,7 +119,7 @@ class WeightCache:
         try:
             with safe_open(str(self.path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get("pagebus", "{}"))
-                tensors = _held_tensors(model)
+                tensors = held_tensors(model)
                 if set(meta.get("order", {})) != set(tensors):
                     raise ValueError("its tensor names are not this model's")
                 loaded = {}
@@ -134,9 +136,7 @@ class WeightCache:
             return False
         for name, t in tensors.items():
             t.data = loaded[name]
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.bind_held_weights()
+        rebind_held_weights(model)
         os.utime(self.path)  # most recently used: pruned last
         log.info("weights as held read from the weight cache %s", self.path)
         return True
@@ -145,8 +145,8 @@ class WeightCache:
         """Save `model`'s held tensors under this key (atomically), then prune old entries."""
         from safetensors.torch import save_file
 
-        tensors = _held_tensors(model)
-        order = {name: _memory_order(t) for name, t in tensors.items()}
+        tensors = held_tensors(model)
+        order = {name: memory_order(t) for name, t in tensors.items()}  # saved so, put back as the same view
         flat = {name: t.permute(order[name]) for name, t in tensors.items()}
         if not all(t.is_contiguous() for t in flat.values()):
             log.info("weight cache: a held tensor is not dense; not cached")

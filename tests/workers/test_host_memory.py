@@ -1,6 +1,7 @@
 """workers/host_memory.py: keep_freed_memory (set by every CPU ModelRunner), so a step's freed
 activations are reused from the heap, not handed back to the kernel and faulted in (zero-filled)
-again by the next step; and huge_page_zeros, the CPU KV cache's memory in 2 MiB pages."""
+again by the next step; huge_page_zeros, the CPU KV cache's memory in 2 MiB pages; and
+into_huge_pages, which moves a CPU runner's weights into such memory."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from pagebus.bus.config import EngineConfig
 from pagebus.bus.messages import SamplingParams
-from pagebus.workers.host_memory import huge_page_zeros
+from pagebus.workers.host_memory import huge_page_zeros, into_huge_pages
+from pagebus.workers.layers.linear import Linear
 from pagebus.workers.runner import ModelRunner
 
 
@@ -129,3 +131,38 @@ def test_cpu_runner_kv_caches_start_on_huge_page_boundaries(default_model: str) 
     for k, v in runner.kv_caches:
         assert k.data_ptr() % (2 << 20) == 0 and v.data_ptr() % (2 << 20) == 0
         assert not k.any() and not v.any()
+
+
+def test_into_huge_pages_moves_dense_tensors_keeping_their_values_and_layout() -> None:
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(1100, 1000, generator=g).bfloat16()  # over 2 MiB in all: a mapping of its own
+    transposed = torch.randn(64, 96, generator=g).t()  # a view: strides (1, 96)
+    param = torch.nn.Parameter(torch.randn(5000, generator=g), requires_grad=False)
+    gapped = torch.randn(8, 8, generator=g)[:, :4]  # not dense: stays
+    empty = torch.zeros(0)
+    tensors = [plain, transposed, param, gapped, empty]
+    before = [(t.clone(), t.stride(), t.data_ptr()) for t in tensors]
+    moved = into_huge_pages(tensors)
+    assert moved == sum(t.numel() * t.element_size() for t in (plain, transposed, param))
+    for t, (values, stride, ptr) in zip(tensors, before, strict=True):
+        assert torch.equal(t, values) and t.stride() == stride
+        assert (t.data_ptr() == ptr) == (t is gapped or t is empty)
+    # one mapping, in the order given, each at a 4 KiB boundary
+    ptrs = [plain.data_ptr(), transposed.data_ptr(), param.data_ptr()]
+    assert ptrs == sorted(ptrs) and all(p % 4096 == 0 for p in ptrs)
+    assert plain.data_ptr() % (2 << 20) == 0
+    assert isinstance(param, torch.nn.Parameter)
+
+
+def test_cpu_runner_weights_are_in_huge_page_memory_and_its_matmuls_bound_to_them(default_model: str) -> None:
+    """The runner moved the weights (one mapping, advised into huge pages where the kernel has
+    them) and every Linear's bound matmul reads the moved tensors, not the freed ones."""
+    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_memory=64 << 20), default_model)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears
+    for m in linears:
+        assert m.native_mm is None or m.native_mm[1][0].data_ptr() == m.weight.data_ptr()
+    if _thp_mode() != "absent":
+        assert "hg" in _vm_flags(linears[0].weight.data_ptr())
+    out = runner.model.model.layers[0].mlp.down_proj(torch.ones(1, runner.model_config.intermediate_size))
+    assert bool(torch.isfinite(out).all())
