@@ -26,7 +26,7 @@ import torch
 from bench.common import cpu_flags, device_name, emit, git_sha, log, setup_logging
 from bench.decode_floor import engine_tables
 from bench.interleave import rotated
-from bench.kernel_ab import SOURCE, build, parse_variant
+from bench.kernel_ab import SOURCE, build, parse_variant, ratio_spread
 
 REPS = 3  # calls per timing, the fastest kept
 
@@ -113,14 +113,9 @@ def measure(builds: dict[str, Any], case: Case, rounds: int) -> dict[str, Any]:
     for n in names:
         out[n] = {"bitwise_equal_to_base": bool(torch.equal(outs[n], outs["base"]))}
         for kind, runs in ms[n].items():
-            ratios = sorted(a / b for a, b in zip(runs, ms["base"][kind], strict=True))
             out[n][kind] = {
                 "median_ms": round(statistics.median(runs), 3),
-                "over_base": {
-                    "median": round(statistics.median(ratios), 4),
-                    "min": round(ratios[0], 4),
-                    "max": round(ratios[-1], 4),
-                },
+                "over_base": ratio_spread(runs, ms["base"][kind]),
             }
     return out
 

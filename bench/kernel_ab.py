@@ -91,21 +91,21 @@ class BuildEngine:
         return None if stack is None or stack[1] is None else type(stack[1]).__module__
 
 
+def ratio_spread(a: list[float], b: list[float]) -> dict[str, float]:
+    """The per-round ratios a / b: their median, lowest and highest."""
+    r = sorted(x / y for x, y in zip(a, b, strict=True))
+    return {"median": round(statistics.median(r), 4), "min": round(r[0], 4), "max": round(r[-1], 4)}
+
+
 def paired_ratios(
     res: dict[str, Any], base: dict[str, Any], sizes: list[int], single: bool
 ) -> dict[str, Any]:
-    """Throughput over base's for each size (and single-stream decode): the median, lowest and
-    highest of the per-round ratios."""
+    """Throughput over base's for each size (and single-stream decode), spread over the rounds."""
     out: dict[str, Any] = {}
     for key, n in [*((f"offline_{n}", n) for n in sizes), *((("single_decode", None),) if single else ())]:
         a, b = runs_tps(res, n), runs_tps(base, n)
         if a and len(a) == len(b):
-            r = sorted(x / y for x, y in zip(a, b, strict=True))
-            out[key] = {
-                "median": round(statistics.median(r), 4),
-                "min": round(r[0], 4),
-                "max": round(r[-1], 4),
-            }
+            out[key] = ratio_spread(a, b)
     return out
 
 
