@@ -180,7 +180,7 @@ def test_watchdog_pings_at_half_the_interval(served: Served) -> None:
 
 
 def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
-    """An 1800-token prompt prefills in 16-token chunks on a worker stopped for a quarter of a stall
+    """An 1800-token prompt prefills in 16-token chunks on a worker stopped for half a stall
     timeout before each step (for 2.5 stall timeouts, then at full speed): no token for over two
     stall timeouts, but every step finishes within one."""
     w = served.worker()
@@ -192,17 +192,20 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
 
     def slow_worker() -> None:
         # Stopped before the request goes out, so no step runs at full speed before the window.
-        # Between stops it runs in 2 ms bursts until a step is seen: a full-speed step of this tiny
+        # Between stops it runs in 1 ms bursts until a step is seen: a full-speed step of this tiny
         # model is shorter than one poll of the metrics, so waiting on a poll lets dozens through.
+        # Even so a slow poll can let ~20 steps through one burst (seen twice in ~15 runs: all 113
+        # within 6 s), so each stop is half a stall timeout: 5 stops in the window, and finishing
+        # within two stall timeouts would take ~28 steps a burst.
         start = time.monotonic()
         while not stop.is_set() and time.monotonic() < start + 2.5 * STALL_TIMEOUT:
             before = steps()
             w.suspend()
             stopped.set()
-            stop.wait(STALL_TIMEOUT / 4)  # the rest of the timeout is the step's, even on a loaded box
+            stop.wait(STALL_TIMEOUT / 2)  # the rest of the timeout is the step's, even on a loaded box
             while not stop.is_set() and steps() <= before:  # polled while stopped
                 w.resume()
-                time.sleep(0.002)
+                time.sleep(0.001)
                 w.suspend()
         w.resume()
 
@@ -211,7 +214,7 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
             states.append(served.health()[0])
             stop.wait(0.2)
 
-    # 1800 tokens, 113 steps of 16: a few steps a second for 2.5 stall timeouts leave most of it.
+    # 1800 tokens, 113 steps of 16: a few steps in each of 5 stops leave most of it.
     prompt = " ".join(["hello world"] * 900)
     threads = [threading.Thread(target=slow_worker), threading.Thread(target=watch_health)]
     for t in threads:
