@@ -192,7 +192,7 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
 
     def slow_worker() -> None:
         # Stopped before the request goes out, so no step runs at full speed before the window.
-        # Between stops it runs in 1 ms bursts until a step is seen: a full-speed step of this tiny
+        # Between stops it runs in 2 ms bursts until a step is seen: a full-speed step of this tiny
         # model is shorter than one poll of the metrics, so waiting on a poll lets dozens through.
         # Even so a slow poll can let ~20 steps through one burst (seen twice in ~15 runs: all 113
         # within 6 s), so each stop is half a stall timeout: 5 stops in the window, and finishing
@@ -205,7 +205,7 @@ def test_a_slow_but_moving_long_prefill_is_not_a_stall(served: Served) -> None:
             stop.wait(STALL_TIMEOUT / 2)  # the rest of the timeout is the step's, even on a loaded box
             while not stop.is_set() and steps() <= before:  # polled while stopped
                 w.resume()
-                time.sleep(0.001)
+                time.sleep(0.002)
                 w.suspend()
         w.resume()
 
