@@ -2337,7 +2337,7 @@ static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const W* __re
     for (int v = 0; v < kTileVecs; ++v) S::store(y + r * ldy + kLanes * v, acc[r][v]);
 }
 
-// How far ahead of its loads two_tiles asks for each stream's lines. The tiles a thread runs
+// How far ahead of its loads one_tile asks for its stream's lines. The tiles a thread runs
 // follow one another in memory (for_each_run), so near a tile's end this fetches the next one's
 // start. Zen 3 (AVX2), float16 weights, single-stream decode step against none: 512 B 0.90-0.94x,
 // 1 KiB 0.87-0.90x, 2 KiB 0.95x (the hardware prefetcher alone restarts at every 4 KiB page).
@@ -2351,49 +2351,43 @@ constexpr int64_t kStreamAhead = 4096;
 constexpr int64_t kStreamAhead = 1024;
 #endif
 
-// Up to kFewRows rows of x against two tiles at once: two independent streams from memory, for the
-// GEMV-like calls (decode of one or a few sequences) that wait on DRAM, not on FMAs.
+// Up to kFewRows rows of x against one tile, for the GEMV-like calls (decode of one or a few
+// sequences) that wait on DRAM, not on FMAs. A thread's tiles follow one another in memory
+// (for_each_run), so its whole share is one stream, each line asked for kStreamAhead ahead.
+// Pairs of tiles half a matrix apart (two streams a thread, as before) read slower: a plain read
+// of the default model's 121 weight regions, Zen 4, two threads, 0.91-0.92 of the time with one
+// stream a thread; its 121 one-row bf16 matmuls in step order, builds interleaved in one process,
+// 0.84 / 0.95 / 0.96 of the time (controls 0.98 / 1.01 / 0.99), 2 rows 0.98, 4 rows 0.91,
+// float16 tiles 0.97. The same sums in the same order: bitwise the same y.
 template <typename T, int MR, typename W = T>
-static inline void two_tiles(const T* __restrict__ x, int64_t ldx, const W* __restrict__ wa,
-                             const W* __restrict__ wb, T* __restrict__ ya, T* __restrict__ yb, int64_t ldy,
-                             int64_t steps) {
+static inline void one_tile(const T* __restrict__ x, int64_t ldx, const W* __restrict__ w, T* __restrict__ y,
+                            int64_t ldy, int64_t steps) {
   using S = TileStep<T>;
-  constexpr int64_t E = kTile * S::kStep, SB = E * static_cast<int64_t>(sizeof(W));  // SB: bytes a step, a tile
-  vf acc[MR][2 * kTileVecs];
+  constexpr int64_t E = kTile * S::kStep, SB = E * static_cast<int64_t>(sizeof(W));  // SB: bytes a step
+  vf acc[MR][kTileVecs];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = vzero();
-  const char* pa = reinterpret_cast<const char*>(wa) + kStreamAhead;
-  const char* pb = reinterpret_cast<const char*>(wb) + kStreamAhead;
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
+  const char* ahead = reinterpret_cast<const char*>(w) + kStreamAhead;
   for (int64_t s = 0; s < steps; ++s) {
     // the lines this step's bytes reach, kStreamAhead on (one every 64 / SB steps when SB < 64)
-    for (int64_t b = (s * SB + 63) / 64 * 64; b < (s + 1) * SB; b += 64) {
-      _mm_prefetch(pa + b, _MM_HINT_T0);
-      _mm_prefetch(pb + b, _MM_HINT_T0);
-    }
-    vf wv[2 * kTileVecs];
-    for (int v = 0; v < kTileVecs; ++v) {
-      wv[v] = S::load(wa + s * E + v * (E / kTileVecs));
-      wv[kTileVecs + v] = S::load(wb + s * E + v * (E / kTileVecs));
-    }
+    for (int64_t b = (s * SB + 63) / 64 * 64; b < (s + 1) * SB; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    vf wv[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) wv[v] = S::load(w + s * E + v * (E / kTileVecs));
     for (int r = 0; r < MR; ++r) {
       const vf xb = S::bcast(x + r * ldx, s);
-      for (int v = 0; v < 2 * kTileVecs; ++v) acc[r][v] = S::madd(acc[r][v], xb, wv[v]);
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = S::madd(acc[r][v], xb, wv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kTileVecs; ++v) {
-      S::store(ya + r * ldy + kLanes * v, acc[r][v]);
-      S::store(yb + r * ldy + kLanes * v, acc[r][kTileVecs + v]);
-    }
+    for (int v = 0; v < kTileVecs; ++v) S::store(y + r * ldy + kLanes * v, acc[r][v]);
 }
 
 template <typename T, typename W>
-static void few_rows(int64_t m, const T* x, int64_t ldx, const W* wa, const W* wb, T* ya, T* yb, int64_t ldy,
-                     int64_t steps) {
+static void few_rows(int64_t m, const T* x, int64_t ldx, const W* w, T* y, int64_t ldy, int64_t steps) {
   switch (m) {
-#define ROWS(R)                                                             \
-  case R:                                                                   \
-    if constexpr (R <= kFewRows) two_tiles<T, R, W>(x, ldx, wa, wb, ya, yb, ldy, steps); \
+#define ROWS(R)                                                                    \
+  case R:                                                                          \
+    if constexpr (R <= kFewRows) one_tile<T, R, W>(x, ldx, w, y, ldy, steps); \
     break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
@@ -2446,8 +2440,8 @@ static void tile_over_rows(const T* x, int64_t ldx, int64_t rows, const W* wt, c
   }
 }
 
-// x [M, K] times the tiles -> y [M, N]. Up to kFewRows rows: tiles in pairs (t, t + half), two
-// streams, each thread a run of consecutive pairs (for_each_run), an odd count's last tile alone.
+// x [M, K] times the tiles -> y [M, N]. Up to kFewRows rows: one tile at a time, each thread a run
+// of consecutive tiles (for_each_run), one stream.
 // More: row blocks of kRowBlock go through the multiply-adds against a tile held in cache; while a tile's blocks run, the next tile is prefetched a slice
 // per block, so reading W overlaps the arithmetic on the one before. W: the tiles' element type:
 // T, or float16 beside float32 x, widened as each vector loads (F16C's conversion runs beside the
@@ -2457,14 +2451,7 @@ static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M,
   const int64_t N = NT * kTile, steps = K / TileStep<T>::kStep, tile_elems = K * kTile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   if (M <= kFewRows) {
-    const int64_t half = NT / 2, pairs = half + NT % 2;
-    for_each_run(pairs, [&](int64_t p) {
-      if (p < half)
-        few_rows<T, W>(M, xp, ldx, w + p * tile_elems, w + (p + half) * tile_elems, yp + p * kTile,
-                       yp + (p + half) * kTile, N, steps);
-      else
-        row_block<T, W>(M, xp, ldx, w + (NT - 1) * tile_elems, yp + (NT - 1) * kTile, N, steps, nullptr, 0);
-    });
+    for_each_run(NT, [&](int64_t t) { few_rows<T, W>(M, xp, ldx, w + t * tile_elems, yp + t * kTile, N, steps); });
     return;
   }
   // spans of the tiles of one row chunk, chunk by chunk: both threads work in the same chunk at a time
@@ -2495,12 +2482,13 @@ static void gate_up_silu_kernel(const float* xp, int64_t ldx, const W* w, float*
   auto product = [&](const float* g, const float* u, int64_t rows, float* o) {  // g, u: [rows, kTile]
     for (int64_t r = 0; r < rows; ++r) silu_and_mul_vectors(g + r * kTile, u + r * kTile, o + r * ldo, kTile);
   };
-  if (M <= kFewRows) {  // tiles_kernel's pairs (t, t + NT / 2) are exactly (gate t, up t)
-    for_each_run(half, [&](int64_t p) {
-      alignas(64) float gb[kFewRows * kTile], ub[kFewRows * kTile];
-      few_rows<float, W>(M, xp, ldx, w + p * tile_elems, w + (p + half) * tile_elems, gb, ub, kTile, steps);
-      product(gb, ub, M, op + p * kTile);
-    });
+  if (M <= kFewRows) {  // tiles_kernel's one stream a thread into [M, 2d], then the products (~1 us)
+    thread_local std::vector<float> gu;
+    gu.resize(static_cast<size_t>(M * NT * kTile));
+    tiles_kernel<float, W>(xp, ldx, w, gu.data(), M, K, NT);
+    for (int64_t r = 0; r < M; ++r)
+      silu_and_mul_vectors(gu.data() + r * NT * kTile, gu.data() + r * NT * kTile + half * kTile, op + r * ldo,
+                           half * kTile);
     return;
   }
   // tiles_kernel's row chunks, spans, row blocks and prefetching, a span's items being pairs of one chunk
@@ -2536,7 +2524,7 @@ static void gate_up_silu_kernel(const float* xp, int64_t ldx, const W* w, float*
 // oneDNN's AMX kernels use).
 
 constexpr int64_t kAmxGroup = 16, kAmxK = 32;  // output columns / rows of x per tile; k per step
-// One row of x stays on AVX-512's two streams (a GEMV waits on memory either way: 0.016 vs 0.022
+// One row of x stays on AVX-512's tile stream (a GEMV waits on memory either way: 0.016 vs 0.022
 // ms for 960 x 576); from two rows AMX is as fast or faster (4: 0.023 vs 0.028 ms; 32: 0.021 vs
 // 0.22 ms; the 49152-row LM head at 32: 1.4 vs 13 ms).
 constexpr int64_t kAmxMinRows = 2;

@@ -386,8 +386,8 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(monkeypatch, tmp_pa
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 160, 161, 300])
 @pytest.mark.parametrize(("n", "k"), [(96, 576), (48, 70), (144, 1536)])
 def test_linear_on_column_tiles(rows: int, n: int, k: int, half: bool) -> None:
-    """Every path: a few rows (tiles in pairs, an odd tile count's last one alone: up to 4 rows
-    on AVX-512, 2 on AVX2), row blocks (8 rows on AVX-512, 6 on AVX2) with the next tile
+    """Every path: a few rows (one tile at a time, one stream a thread; odd and even tile counts:
+    up to 4 rows on AVX-512, 2 on AVX2), row blocks (8 rows on AVX-512, 6 on AVX2) with the next tile
     prefetched and the batched GEMM above 160 on Intel CPUs (float32 tiles); K not a multiple of
     the vector width; a bias; rows of x that are a strided view. half: float16 tiles of the
     float32 weight (--quantization fp16), which multiply exactly the float32 matmul of the
@@ -493,7 +493,7 @@ def test_tile_rows_do_not_depend_on_the_rows_beside_them(half: bool) -> None:
 @pytest.mark.parametrize(("d", "k"), [(1536, 576), (48, 70), (96, 1536)])
 def test_gate_up_silu_is_the_matmul_then_silu_and_mul(rows: int, d: int, k: int, half: bool) -> None:
     """The fused gate_up + SiLU product: bitwise the tile matmul followed by silu_and_mul, on the
-    few-rows path (tile pairs), row blocks over several row chunks (2048 rows) and K not a
+    few-rows path (the tile matmul, then the products), row blocks over several row chunks (2048 rows) and K not a
     multiple of the vector width; strided rows of x too."""
     g = torch.Generator().manual_seed(rows * d + k)
     tiles = native.pack_linear(torch.randn(2 * d, k, generator=g) * 0.1, half=half)
