@@ -5,8 +5,9 @@
 float32 also times attention over float16 caches of the same values (--kv-cache-dtype float16).
 
 The default model's decode stack op by op (csrc/cpu_ops.cpp, as DecodeStack runs it), on random
-weights and caches of its shapes, a separate weight set and cache per layer as in the engine, so
-weights and K/V come from DRAM as they do there. The block tables follow the engine's allocation
+weights and caches of its shapes, a separate weight set and cache per layer as in the engine (the
+weights in 2 MiB pages, in step order, as the engine moves them), so weights and K/V come from
+DRAM as they do there. The block tables follow the engine's allocation
 order (a fresh FIFO pool): each sequence's prompt blocks in one run, the blocks it grows by during
 decode interleaved with the other sequences'. Beside each op, its floor measured in the same run:
 - matmuls and the LM head: their FLOPs at torch.mm's square ceiling (bench/peer_runners/ceilings.py);
@@ -121,6 +122,7 @@ def measure(
 ) -> dict[str, Any]:
     from pagebus.frontends.model_files import default_model_path
     from pagebus.kernels.cpu_native import k_cache_shape, native_ops
+    from pagebus.workers.host_memory import into_huge_pages
     from pagebus.workers.loader import read_config
 
     ops, reader = native_ops(), _reader()
@@ -155,6 +157,8 @@ def measure(
             else k.view(num_blocks, 16, kvh, d // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
         )
     lm_head = weights(mc.vocab_size, hid)
+    # in 2 MiB pages, in step order, as the engine holds its weights (workers/host_memory.py)
+    into_huge_pages([w[op] for w in layers for op in ("qkv", "o", "gate_up", "down")] + [lm_head])
     lens = torch.full((batch,), context, dtype=torch.int32)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     positions = torch.full((batch,), context - 1, dtype=torch.int64)
