@@ -46,6 +46,25 @@ def parse_variant(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
+def add_build_options(ap: argparse.ArgumentParser) -> None:
+    """--variant NAME=PATH (repeatable) and --control, as every A/B of kernel builds takes them."""
+    ap.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="an edited copy of kernels/csrc/cpu_ops.cpp (repeat for more)",
+    )
+    ap.add_argument("--control", action="store_true", help="add a second build of the unedited source")
+
+
+def build_sources(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(name, source) of each build to compare: base (the source as it is), control (the same
+    again) when asked, then the variants."""
+    return [("base", SOURCE), *((("control", SOURCE),) if args.control else ()), *args.variant]
+
+
 def build(name: str, source: Path) -> Any:
     """`source` compiled as a module named by the build and its text, cached like the default build."""
     from pagebus.kernels import cpu_native
@@ -112,15 +131,7 @@ def paired_ratios(
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--variant",
-        type=parse_variant,
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="an edited copy of kernels/csrc/cpu_ops.cpp (repeat for more)",
-    )
-    ap.add_argument("--control", action="store_true", help="add a second build of the unedited source")
+    add_build_options(ap)
     ap.add_argument("--num-requests", type=int, nargs="*", default=[], help="offline batch sizes to time")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.throughput import make_prompts
 
     quant = None if args.quantization == "none" else args.quantization
-    sources = {"base": SOURCE, **({"control": SOURCE} if args.control else {}), **dict(args.variant)}
+    sources = dict(build_sources(args))
     modules = {name: native_ops() if name == "base" else build(name, src) for name, src in sources.items()}
     engines = {
         name: BuildEngine(mod, lambda: pagebus_generate(args.dtype, args.kv_cache_dtype, quant))

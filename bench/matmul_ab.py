@@ -25,7 +25,7 @@ import torch
 
 from bench.common import cpu_flags, device_name, emit, git_sha, log, setup_logging
 from bench.interleave import rotated
-from bench.kernel_ab import SOURCE, build, parse_variant, ratio_spread
+from bench.kernel_ab import add_build_options, build, build_sources, ratio_spread
 
 REPS = 3  # each timing the best of this many back-to-back runs
 
@@ -90,17 +90,14 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--variant", type=parse_variant, action="append", default=[], help="NAME=PATH (repeatable)"
-    )
-    ap.add_argument("--control", action="store_true", help="add a second build of the unedited source")
+    add_build_options(ap)
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args(argv)
     if args.rounds < 1 or min(args.rows) < 1:
         ap.error("--rounds and --rows must be at least 1")
-    sources = [("base", SOURCE), *((("control", SOURCE),) if args.control else ()), *args.variant]
+    sources = build_sources(args)
     builds = {name: build(name, path) for name, path in sources}
     dtype = getattr(torch, args.dtype)
     weights = step_weights(dtype)

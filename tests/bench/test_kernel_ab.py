@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 from pagebus.kernels import cpu_native
 
-from bench.kernel_ab import BuildEngine, paired_ratios, parse_variant
+from bench.kernel_ab import (
+    SOURCE,
+    BuildEngine,
+    add_build_options,
+    build_sources,
+    paired_ratios,
+    parse_variant,
+)
 
 
 class CountingBuild:
@@ -87,3 +94,13 @@ def test_parse_variant_rejects_bad_specs(tmp_path: Any) -> None:
     ):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_variant(bad)
+
+
+def test_build_sources_base_control_then_variants(tmp_path: Any) -> None:
+    src = tmp_path / "wide.cpp"
+    src.write_text("// edited")
+    ap = argparse.ArgumentParser()
+    add_build_options(ap)
+    assert build_sources(ap.parse_args([])) == [("base", SOURCE)]
+    args = ap.parse_args(["--variant", f"wide={src}", "--control"])
+    assert build_sources(args) == [("base", SOURCE), ("control", SOURCE), ("wide", src)]
