@@ -2356,9 +2356,10 @@ constexpr int64_t kStreamAhead = 1024;
 // (for_each_run), so its whole share is one stream, each line asked for kStreamAhead ahead.
 // Pairs of tiles half a matrix apart (two streams a thread, as before) read slower: a plain read
 // of the default model's 121 weight regions, Zen 4, two threads, 0.91-0.92 of the time with one
-// stream a thread; its 121 one-row bf16 matmuls in step order, builds interleaved in one process,
-// 0.84 / 0.95 / 0.96 of the time (controls 0.98 / 1.01 / 0.99), 2 rows 0.98, 4 rows 0.91,
-// float16 tiles 0.97. The same sums in the same order: bitwise the same y.
+// stream a thread. Its 121 matmuls in step order (bench/matmul_ab.py, 24 rounds), the pairs'
+// time over this: bf16 1 row 1.07, 2 rows 1.04, 4 rows 1.12 (control 1.01 / 1.01 / 0.99);
+// float32 1 and 2 rows 1.09; an AVX2 build with float16 tiles (on the same Zen 4) 1.05 / 1.10.
+// The same sums in the same order: bitwise the same y.
 template <typename T, int MR, typename W = T>
 static inline void one_tile(const T* __restrict__ x, int64_t ldx, const W* __restrict__ w, T* __restrict__ y,
                             int64_t ldy, int64_t steps) {
