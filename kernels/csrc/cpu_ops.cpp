@@ -777,6 +777,65 @@ struct Trickle {
 // on Zen 3, 1-2 MiB on later cores) while the pass before it streams as many bytes through.
 constexpr int64_t kPassAheadBytes = 192 << 10;
 
+// Blocks of keys below which a decode's context is not split across threads (the merge and a
+// second pass's start cost more than half of so few keys). 2 against 4: one 96-token decode on
+// two threads, K/V from DRAM (600 layers' caches, AMD Zen 3), 19.7 -> 14.6 us a layer with a
+// float32 cache, 13.1 -> 12.5 with a float16 one (a thread alone waits on DRAM for each block).
+constexpr int64_t kMinSplitBlocks = 2;
+// The same for bf16 caches (decode_rows_pairs), whose arithmetic on bf16 pairs costs a fraction
+// of float32's. One sequence on two threads, 30 layers from DRAM (bench/attention_ab.py, Zen 4),
+// time split at 8 / unsplit: 256 tokens 0.97-1.0, 512 0.56, 1,024 0.61-0.66, 4,096 0.62; split
+// from 2 blocks, 96 tokens took 1.24x the time.
+constexpr int64_t kMinSplitBlocksPairs = 8;
+
+// The claims of a split decode (decode_rows_fast, decode_rows_pairs): run p of each decode b's
+// keys, [j_lo, j_hi) in whole 16-token blocks, as f(b, j_lo, j_hi, c), c = b * parts + p being
+// the run's index into the outputs and stats ([B * parts, h, 2]) merge_runs reads; the runs of a
+// short sequence that fall past its keys get an empty run's stats (max -inf, sum 0) instead.
+template <typename F>
+static void for_each_key_run(int64_t B, int64_t parts, const int32_t* lp, const int32_t* qp0, int64_t h,
+                             float* stats, F&& f) {
+  constexpr int64_t bs = 16;
+  for_each_claim(B * parts, [&](int64_t c, int64_t) {
+    const int64_t b = c / parts, p = c % parts, L = lp[b];
+    const int64_t per = ((L + bs - 1) / bs + parts - 1) / parts * bs, j_lo = p * per, j_hi = std::min(L, j_lo + per);
+    if (qp0[b + 1] - qp0[b] != 1) return;
+    if (j_lo >= j_hi) {
+      float* st = stats + c * h * 2;
+      for (int64_t hh = 0; hh < h; ++hh) st[2 * hh] = -std::numeric_limits<float>::infinity(), st[2 * hh + 1] = 0.f;
+      return;
+    }
+    f(b, j_lo, j_hi, c);
+  });
+}
+
+// A split decode's runs merged (flash-decoding): out[qp0[b]] of each decode b = the sum over its
+// `parts` runs of each run's normalized output (part_out, [B, parts, h, d]) weighted by the run's
+// exp sum rescaled to the common max (stats, [B, parts, h, 2]: max, sum; an empty run's sum 0).
+template <typename T>
+void merge_runs(T* op0, int64_t os, const int32_t* qp0, int64_t B, int64_t parts, int64_t h, int64_t d,
+                const float* part_out, const float* stats) {
+  for (int64_t b = 0; b < B; ++b) {
+    if (qp0[b + 1] - qp0[b] != 1) continue;
+    T* ot = op0 + qp0[b] * os;
+    for (int64_t hh = 0; hh < h; ++hh) {
+      float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, stats[((b * parts + p) * h + hh) * 2]);
+      float w[64];  // parts <= 64
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* st = stats + ((b * parts + p) * h + hh) * 2;
+        w[p] = st[1] > 0.f ? st[1] * std::exp(st[0] - m) : 0.f;
+        total += w[p];
+      }
+      for (int64_t i = 0; i < d; ++i) {
+        float acc = 0.f;
+        for (int64_t p = 0; p < parts; ++p) acc += w[p] * part_out[((b * parts + p) * h + hh) * d + i];
+        ot[hh * d + i] = static_cast<T>(acc / total);
+      }
+    }
+  }
+}
+
 // One query head's scores against a 16-token block of K rows (n <= 16 of them valid), scaled:
 // a vector of partial products per token, then one transposing sum per kLanes tokens.
 template <int NV, typename T>
@@ -939,8 +998,10 @@ inline void block_scores_tokens(const bf16* __restrict__ q, const bf16* __restri
 }
 
 // Each of the h rows of L scores -> exp(s - max) rounded to bf16 into pb (row stride Lp, a
-// multiple of 16; zeros from L on), and 1 / the row's float32 sum of them into inv.
-inline void softmax_pairs(const float* sp, int64_t h, int64_t L, bf16* pb, int64_t Lp, float* inv) {
+// multiple of 16; zeros from L on), and 1 / the row's float32 sum of them into inv; stats (if
+// set): each row's max and sum, for merging runs of keys (merge_runs).
+inline void softmax_pairs(const float* sp, int64_t h, int64_t L, bf16* pb, int64_t Lp, float* inv,
+                          float* stats = nullptr) {
   for (int64_t hh = 0; hh < h; ++hh) {
     const float* s = sp + hh * L;
     bf16* p = pb + hh * Lp;
@@ -957,7 +1018,9 @@ inline void softmax_pairs(const float* sp, int64_t h, int64_t L, bf16* pb, int64
       total = _mm512_add_ps(total, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    inv[hh] = 1.0f / _mm512_reduce_add_ps(total);
+    const float sum = _mm512_reduce_add_ps(total);
+    inv[hh] = 1.0f / sum;
+    if (stats != nullptr) stats[2 * hh] = _mm512_reduce_max_ps(m), stats[2 * hh + 1] = sum;
   }
 }
 
@@ -970,9 +1033,9 @@ constexpr int64_t kKvAhead = 2;
 // adds both tokens at once (flash attention's bf16 P . V). The sums come out with their dims in
 // an interleaved order, put back once at the end. This head's V rows kKvAhead blocks ahead are
 // prefetched a row per row read (from the first block, the ones before that too).
-template <int NV, int HC>
+template <int NV, int HC, typename O>
 inline void heads_times_v_pairs(const bf16* pb, int64_t Lp, int64_t L, const bf16* vc, const int32_t* table,
-                                int64_t s0, int64_t s1, int64_t bs, const float* inv, bf16* __restrict__ out,
+                                int64_t s0, int64_t s1, int64_t bs, const float* inv, O* __restrict__ out,
                                 int64_t d, Trickle* tr) {
   __m512 acc[HC][NV];
   for (int i = 0; i < HC; ++i)
@@ -1044,6 +1107,85 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
   // Trickle steps a KV head takes per K block (block_scores_tokens' dim-pair loop, once per call
   // of tokens_scores) and per pair of V tokens (heads_times_v_pairs, once per call)
   const int64_t k_steps = (group / HC + group % HC) * (4 * NV), v_calls = group / HC + group % HC;
+  // Sequence b's keys from block jb on (L of them): scores, softmax and P . V of every head into
+  // out (h x d, heads adjacent, normalized over these keys: bf16 rows, or float32 runs to merge);
+  // stats (if set): each head's score max and exp sum over them (merge_runs). in_k_pass /
+  // in_v_pass: what the K and V passes trickle into L2.
+  // Inlined into each claim's loop: called, the same loops ran 1.2x as long (8 x 192 tokens with
+  // their K/V in cache).
+  auto attend = [&](int64_t b, int64_t jb, int64_t L, auto* out, float* stats, Trickle* in_k_pass,
+                    Trickle* in_v_pass) __attribute__((always_inline)) {
+    thread_local std::vector<float> scores, inv;
+    thread_local std::vector<bf16> probs;
+    inv.resize(static_cast<size_t>(h));
+    const int64_t t = qp0[b], Lp = (L + 15) / 16 * 16, nb = (L + bs - 1) / bs;
+    scores.resize(static_cast<size_t>(h * L));
+    probs.resize(static_cast<size_t>(h * Lp));
+    float* sp = scores.data();
+    const int32_t* table = btp + b * width + jb;
+    const bf16* qt = qp + t * qs;  // heads adjacent
+    if constexpr (KP) {
+      const int64_t run = d * bs;  // one KV head's part of a block
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t j0 = j * bs, n = std::min(bs, L - j0);
+        const bf16* kb = kc + table[j] * ks0;
+        for (int64_t g = 0; g < kvh; ++g) {
+          // this head's run kKvAhead blocks on (from the first block, the ones before that too)
+          if (j == 0)
+            for (int64_t a = 1; a < kKvAhead && a < nb; ++a) prefetch_row(kc + table[a] * ks0 + g * run, run * 2);
+          const bf16* next = j + kKvAhead < nb ? kc + table[j + kKvAhead] * ks0 + g * run : nullptr;
+          tokens_scores<NV, NV <= 4 ? 3 : 2>(qt + g * group * d, kb + g * run, next, n, sc, sp + g * group * L + j0,
+                                             L, group, in_k_pass);
+        }
+      }
+    }
+    for (int64_t j = 0; !KP && j < nb; ++j) {
+      const int64_t j0 = j * bs, n = std::min(bs, L - j0);
+      const bf16* kb = kc + table[j] * s0;
+      for (int64_t hh = 0; hh < h; ++hh) {
+        // every KV head's K rows ahead, as for V, a few rows per head scored
+        for (int64_t a = j == 0 ? 1 : kKvAhead; a <= kKvAhead && j + a < nb; ++a)
+          for (int64_t o = hh; o < bs; o += h) prefetch_row(kc + table[j + a] * s0 + o * s1, row_bytes);
+        __m512i qv[NV / 2];
+        for (int c = 0; c < NV / 2; ++c) qv[c] = _mm512_loadu_si512(qt + hh * d + 32 * c);
+        block_scores_pairs<NV>(qv, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
+      }
+    }
+    softmax_pairs(sp, h, L, probs.data(), Lp, inv.data(), stats);
+    for (int64_t g = 0; g < kvh; ++g) {
+      const bf16* vg = vc + g * s2;
+      int64_t hh = g * group;
+      const int64_t end = hh + group;
+      for (; hh + HC <= end; hh += HC)
+        heads_times_v_pairs<NV, HC>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
+                                    out + hh * d, d, in_v_pass);
+      for (; hh < end; ++hh)
+        heads_times_v_pairs<NV, 1>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
+                                   out + hh * d, d, in_v_pass);
+    }
+  };
+  // Fewer decodes than threads (a single stream): each sequence's keys split into `parts` runs of
+  // whole blocks, one claim each, merged by their softmax stats, as decode_rows_fast does, from
+  // kMinSplitBlocksPairs blocks on. Each run trickles its own V over its K pass.
+  int64_t decodes = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (qp0[b + 1] - qp0[b] == 1) ++decodes, longest = std::max<int64_t>(longest, lp[b]);
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = decodes > 0 && decodes < threads
+                            ? std::min({(threads + decodes - 1) / decodes,
+                                        (longest + bs - 1) / bs / kMinSplitBlocksPairs, int64_t{64}})
+                            : 1;
+  if (parts > 1) {
+    std::vector<float> part_out(static_cast<size_t>(B * parts * h * d)), stats(static_cast<size_t>(B * parts * h * 2));
+    for_each_key_run(B, parts, lp, qp0, h, stats.data(), [&](int64_t b, int64_t j_lo, int64_t j_hi, int64_t c) {
+      const int64_t nbr = (j_hi - j_lo + bs - 1) / bs;
+      Trickle own_v = KP ? Trickle(vc, btp + b * width + j_lo / bs, s0 * 2, nbr, nbr * kvh * k_steps) : Trickle();
+      Trickle none;
+      attend(b, j_lo / bs, j_hi - j_lo, part_out.data() + c * h * d, stats.data() + c * h * 2, &own_v, &none);
+    });
+    merge_runs(op0, os, qp0, B, parts, h, d, part_out.data(), stats.data());
+    return;
+  }
   for_each_claim(B, [&](int64_t b, int64_t after) {  // a sequence a claim, as decode_rows_fast
     if (qp0[b + 1] - qp0[b] != 1) return;
     // The thread's next claim's K blocks into L2 over this claim's K pass, its V blocks over the V
@@ -1062,57 +1204,7 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
                            : Trickle();
     Trickle in_v_pass = fetch ? Trickle(vc, btp + after * width, s0 * 2, nb_next, kvh * v_calls * ((lp[b] + 1) / 2))
                            : Trickle();
-    thread_local std::vector<float> scores, inv;
-    thread_local std::vector<bf16> probs;
-    inv.resize(static_cast<size_t>(h));
-    {
-      const int64_t t = qp0[b], L = lp[b], Lp = (L + 15) / 16 * 16, nb = (L + bs - 1) / bs;
-      scores.resize(static_cast<size_t>(h * L));
-      probs.resize(static_cast<size_t>(h * Lp));
-      float* sp = scores.data();
-      const int32_t* table = btp + b * width;
-      const bf16* qt = qp + t * qs;  // heads adjacent
-      if constexpr (KP) {
-        const int64_t run = d * bs;  // one KV head's part of a block
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t j0 = j * bs, n = std::min(bs, L - j0);
-          const bf16* kb = kc + table[j] * ks0;
-          for (int64_t g = 0; g < kvh; ++g) {
-            // this head's run kKvAhead blocks on (from the first block, the ones before that too)
-            if (j == 0)
-              for (int64_t a = 1; a < kKvAhead && a < nb; ++a) prefetch_row(kc + table[a] * ks0 + g * run, run * 2);
-            const bf16* next = j + kKvAhead < nb ? kc + table[j + kKvAhead] * ks0 + g * run : nullptr;
-            tokens_scores<NV, NV <= 4 ? 3 : 2>(qt + g * group * d, kb + g * run, next, n, sc, sp + g * group * L + j0,
-                                               L, group, &in_k_pass);
-          }
-        }
-      }
-      for (int64_t j = 0; !KP && j < nb; ++j) {
-        const int64_t j0 = j * bs, n = std::min(bs, L - j0);
-        const bf16* kb = kc + table[j] * s0;
-        for (int64_t hh = 0; hh < h; ++hh) {
-          // every KV head's K rows ahead, as for V, a few rows per head scored
-          for (int64_t a = j == 0 ? 1 : kKvAhead; a <= kKvAhead && j + a < nb; ++a)
-            for (int64_t o = hh; o < bs; o += h) prefetch_row(kc + table[j + a] * s0 + o * s1, row_bytes);
-          __m512i qv[NV / 2];
-          for (int c = 0; c < NV / 2; ++c) qv[c] = _mm512_loadu_si512(qt + hh * d + 32 * c);
-          block_scores_pairs<NV>(qv, kb + (hh / group) * s2, s1, n, sc, sp + hh * L + j0);
-        }
-      }
-      softmax_pairs(sp, h, L, probs.data(), Lp, inv.data());
-      bf16* ot = op0 + t * os;
-      for (int64_t g = 0; g < kvh; ++g) {
-        const bf16* vg = vc + g * s2;
-        int64_t hh = g * group;
-        const int64_t end = hh + group;
-        for (; hh + HC <= end; hh += HC)
-          heads_times_v_pairs<NV, HC>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
-                                      ot + hh * d, d, &in_v_pass);
-        for (; hh < end; ++hh)
-          heads_times_v_pairs<NV, 1>(probs.data() + hh * Lp, Lp, L, vg, table, s0, s1, bs, inv.data() + hh,
-                                     ot + hh * d, d, &in_v_pass);
-      }
-    }
+    attend(b, 0, lp[b], op0 + qp0[b] * os, nullptr, &in_k_pass, &in_v_pass);
   });
 }
 #endif  // __AVX512BF16__
@@ -1123,11 +1215,6 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
 // time (block_scores) and the V sums in registers (heads_times_v), rounded once into `out`. At
 // 32 sequences of ~200 tokens this halved attention's share of a float32 step (AVX-512).
 // C: the caches' type, T's or float16 beside float32 activations.
-// Blocks of keys below which a decode's context is not split across threads (the merge and a
-// second pass's start cost more than half of so few keys). 2 against 4: one 96-token decode on
-// two threads, K/V from DRAM (600 layers' caches, AMD Zen 3), 19.7 -> 14.6 us a layer with a
-// float32 cache, 13.1 -> 12.5 with a float16 one (a thread alone waits on DRAM for each block).
-constexpr int64_t kMinSplitBlocks = 2;
 
 template <int NV, typename T, typename C = T>
 void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, const C* vc, int64_t s0, int64_t s1,
@@ -1256,36 +1343,10 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, 
   // A sequence's runs split over the threads: each thread has one or two, so no next claim to
   // fetch; fetching V a pass ahead measured no better here (one stream, 160 and 2,048 tokens).
   auto no_next = [](int64_t) { return Trickle(); };
-  for_each_claim(B * parts, [&](int64_t c, int64_t) {
-    const int64_t b = c / parts, p = c % parts, L = lp[b];
-    float* st = stats.data() + c * h * 2;
-    const int64_t per = ((L + bs - 1) / bs + parts - 1) / parts * bs, j_lo = p * per, j_hi = std::min(L, j_lo + per);
-    if (qp0[b + 1] - qp0[b] != 1) return;
-    if (j_lo >= j_hi) {  // a short sequence has fewer runs than parts
-      for (int64_t hh = 0; hh < h; ++hh) st[2 * hh] = -std::numeric_limits<float>::infinity(), st[2 * hh + 1] = 0.f;
-      return;
-    }
-    attend(b, j_lo, j_hi, part_out.data() + c * h * d, st, no_next, false, false);
+  for_each_key_run(B, parts, lp, qp0, h, stats.data(), [&](int64_t b, int64_t j_lo, int64_t j_hi, int64_t c) {
+    attend(b, j_lo, j_hi, part_out.data() + c * h * d, stats.data() + c * h * 2, no_next, false, false);
   });
-  for (int64_t b = 0; b < B; ++b) {
-    if (qp0[b + 1] - qp0[b] != 1) continue;
-    T* ot = op0 + qp0[b] * os;
-    for (int64_t hh = 0; hh < h; ++hh) {
-      float m = -std::numeric_limits<float>::infinity(), total = 0.f;
-      for (int64_t p = 0; p < parts; ++p) m = std::max(m, stats[((b * parts + p) * h + hh) * 2]);
-      float w[64];  // parts <= 64
-      for (int64_t p = 0; p < parts; ++p) {
-        const float* st = stats.data() + ((b * parts + p) * h + hh) * 2;
-        w[p] = st[1] > 0.f ? st[1] * std::exp(st[0] - m) : 0.f;
-        total += w[p];
-      }
-      for (int64_t i = 0; i < d; ++i) {
-        float acc = 0.f;
-        for (int64_t p = 0; p < parts; ++p) acc += w[p] * part_out[((b * parts + p) * h + hh) * d + i];
-        ot[hh * d + i] = static_cast<T>(acc / total);
-      }
-    }
-  }
+  merge_runs(op0, os, qp0, B, parts, h, d, part_out.data(), stats.data());
 }
 #endif  // PAGEBUS_SIMD
 

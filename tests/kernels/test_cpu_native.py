@@ -290,7 +290,12 @@ def test_fused_decode_attention_is_the_separate_ops(
 
 
 @pytest.mark.parametrize(
-    "cache", ["float32", pytest.param("float16", marks=pytest.mark.skipif(not _f16_built(), reason=_NO_F16))]
+    "cache",
+    [
+        "float32",
+        pytest.param("float16", marks=pytest.mark.skipif(not _f16_built(), reason=_NO_F16)),
+        pytest.param("bf16_token_pairs", marks=pytest.mark.skipif(not _bf16_built(), reason=_NO_BF16)),
+    ],
 )
 @pytest.mark.parametrize(
     ("threads", "seqs"),
@@ -304,18 +309,22 @@ def test_fused_decode_attention_is_the_separate_ops(
 )
 def test_decode_split_across_threads(threads: int, seqs: list[tuple[int, int]], cache: str) -> None:
     """Fewer decodes than threads: each sequence's keys split into runs of blocks, one a claim,
-    merged by their softmax max and sum, equal to the unsplit attention within float32 rounding."""
-    batch = make_batch(seqs, 9, 3, 64)
+    merged by their softmax max and sum, equal to the unsplit attention within float32 rounding
+    (bf16's: a bf16 cache with K in token pairs, decode_rows_pairs, splits from 8 blocks on)."""
+    dtype = torch.bfloat16 if cache == "bf16_token_pairs" else torch.float32
+    batch = make_batch(seqs, 9, 3, 64, dtype=dtype)
     if cache == "float16":
         batch.k_cache, batch.v_cache = batch.k_cache.half(), batch.v_cache.half()
     ref = paged_attention_ref(*batch.args(), 0.125)
+    if cache == "bf16_token_pairs":
+        batch.k_cache, batch.v_cache = to_token_pairs(batch.k_cache), batch.v_cache.contiguous()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = native.paged_attention(*batch.args(), 0.125, max_query_len=max(n for n, _ in seqs))
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
 def test_fused_decode_attention_declines_prefill_tokens() -> None:
