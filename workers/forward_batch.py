@@ -34,3 +34,6 @@ class ForwardBatch:
     # The step's scratch for the ops (`memo=`): values derived from the batch alone, built by the
     # first layer and reused by the others. New with every ForwardBatch, so never stale.
     step_cache: dict[str, Any] = field(default_factory=dict)
+    # Every sampled row takes the argmax of its logits and nothing else from them: the model may
+    # return the ids (int64 [rows]) in place of the logits (the LM head's fused argmax).
+    greedy: bool = False

@@ -106,6 +106,7 @@ class _Step:
     graph_size: int | None  # the CUDA graph to replay, or None: eager
     num_seqs: int
     every_row_samples: bool  # a replay's first num_seqs rows are the logits, in order
+    greedy: bool = False  # every sampling row is _plain_greedy: the forward may return argmax ids
 
 
 def held_format(path: str, load_format: str, quantization: str | None) -> tuple[dict[str, Any] | None, str]:
@@ -476,7 +477,10 @@ class ModelRunner:
             return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
         if self._drafts:
             return self._verify(batch.step_id, logits, step.sampling)
-        tokens, logprobs = self._sample(logits, step.sampling)
+        if logits.dtype is torch.int64:  # the LM head's fused argmax (step.greedy)
+            tokens, logprobs = logits.tolist(), [None] * len(step.sampling)
+        else:
+            tokens, logprobs = self._sample(logits, step.sampling)
         for seq_id, tok in zip(step.sampling, tokens, strict=True):
             self.seqs[seq_id].token_ids.append(tok)
         any_lp = any(lp is not None for lp in logprobs)
@@ -527,7 +531,12 @@ class ModelRunner:
         size = self.graphs.size_for(num_seqs) if self.graphs is not None and max_q == 1 else None
         if size is None:
             t = self.inputs.load(input_ids, positions, slots, rows, seq_lens, starts, logits_rows)
-            return _Step(t, meta, sampling, None, num_seqs, False)
+            greedy = (
+                not self._drafts
+                and self.parallel.layout.pp_size == 1
+                and all(_plain_greedy(self.seqs[i]) for i in sampling)
+            )
+            return _Step(t, meta, sampling, None, num_seqs, False, greedy)
         pad = size - num_seqs
         every_row_samples = len(logits_rows) == num_seqs
         if every_row_samples:
@@ -544,7 +553,12 @@ class ModelRunner:
         return _Step(t, meta, sampling, size, num_seqs, every_row_samples)
 
     def _forward_batch(
-        self, t: StepTensors, meta: StepMeta, logits_indices: torch.Tensor, kv_caches: KVCaches
+        self,
+        t: StepTensors,
+        meta: StepMeta,
+        logits_indices: torch.Tensor,
+        kv_caches: KVCaches,
+        greedy: bool = False,
     ) -> ForwardBatch:
         return ForwardBatch(
             input_ids=t.input_ids,
@@ -563,13 +577,21 @@ class ModelRunner:
             seq_lens_host=meta.seq_lens,
             query_start_loc_host=meta.query_start_loc,
             kv_scales=self.kv_scales if kv_caches is self.kv_caches else None,
+            greedy=greedy,
         )
 
     def _run(self, step: _Step) -> torch.Tensor:
-        """Logits [num_sampling, vocab] float32, on the device."""
+        """Logits [num_sampling, vocab] float32, on the device; or, for a step.greedy step where
+        the model computes them without the logits, the argmax ids int64 [num_sampling]."""
         if step.graph_size is None:
             return self.model(
-                self._forward_batch(step.tensors, step.meta, step.tensors.logits_indices, self.kv_caches)
+                self._forward_batch(
+                    step.tensors,
+                    step.meta,
+                    step.tensors.logits_indices,
+                    self.kv_caches,
+                    step.greedy,
+                )
             )
         assert self.graphs is not None
         out = self.graphs.replay(step.graph_size)

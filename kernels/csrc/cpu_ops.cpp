@@ -2508,12 +2508,20 @@ static void tile_over_rows(const T* x, int64_t ldx, int64_t rows, const W* wt, c
 // per block, so reading W overlaps the arithmetic on the one before. W: the tiles' element type:
 // T, or float16 beside float32 x, widened as each vector loads (F16C's conversion runs beside the
 // FMAs; widening each tile once into a float32 buffer instead was 4-13% slower at 4-64 rows).
-template <typename T, typename W = T>
-static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M, int64_t K, int64_t NT) {
-  const int64_t N = NT * kTile, steps = K / TileStep<T>::kStep, tile_elems = K * kTile;
+// tiles_into: `out` says where a tile's block of y goes: `at(r0, t, ld)` the block of rows r0.. and tile t
+// (row stride ld), and `done(r0, rows, t)` once it holds them (TilesInY: y itself; the fused
+// argmax: a thread's scratch, reduced while it is in L1).
+template <typename T, typename W, typename Out>
+static void tiles_into(const T* xp, int64_t ldx, const W* w, Out& out, int64_t M, int64_t K, int64_t NT) {
+  const int64_t steps = K / TileStep<T>::kStep, tile_elems = K * kTile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   if (M <= kFewRows) {
-    for_each_run(NT, [&](int64_t t) { few_rows<T, W>(M, xp, ldx, w + t * tile_elems, yp + t * kTile, N, steps); });
+    for_each_run(NT, [&](int64_t t) {
+      int64_t ld;
+      T* y = out.at(0, t, ld);
+      few_rows<T, W>(M, xp, ldx, w + t * tile_elems, y, ld, steps);
+      out.done(0, M, t);
+    });
     return;
   }
   // spans of the tiles of one row chunk, chunk by chunk: both threads work in the same chunk at a time
@@ -2526,9 +2534,29 @@ static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M,
       const W* wt = w + t * tile_elems;
       // the tile after this one: the next of this span, or the first of this thread's next span
       const W* nt = t + 1 < t1 ? wt + tile_elems : after < chunks * NT ? w + (after % NT) * tile_elems : nullptr;
-      tile_over_rows<T, W>(xp + r0 * ldx, ldx, rows, wt, nt, yp + r0 * N + t * kTile, N, steps);
+      int64_t ld;
+      T* y = out.at(r0, t, ld);
+      tile_over_rows<T, W>(xp + r0 * ldx, ldx, rows, wt, nt, y, ld, steps);
+      out.done(r0, rows, t);
     }
   });
+}
+
+template <typename T>
+struct TilesInY {
+  T* y;
+  int64_t N;
+  T* at(int64_t r0, int64_t t, int64_t& ld) const {
+    ld = N;
+    return y + r0 * N + t * kTile;
+  }
+  void done(int64_t, int64_t, int64_t) const {}
+};
+
+template <typename T, typename W = T>
+static void tiles_kernel(const T* xp, int64_t ldx, const W* w, T* yp, int64_t M, int64_t K, int64_t NT) {
+  TilesInY<T> out{yp, NT * kTile};
+  tiles_into<T, W>(xp, ldx, w, out, M, K, NT);
 }
 
 // silu(x . gate) * (x . up) from a gate_up weight's tiles (gate's NT / 2 tiles, then up's), into
@@ -2697,26 +2725,48 @@ bool bf16_tiles_built() {
 #endif
 }
 
-// x [M, K] (rows contiguous) times `pack_tiles` tiles -> [M, N], in the tiles' dtype.
-torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
-  // float16 tiles (--quantization fp16) beside float32 x; else tiles of x's dtype
+// What x [M, K] and `pack_tiles` tiles multiply as, checked: h: float16 tiles
+// (--quantization fp16) beside float32 x; else tiles of x's dtype (b16: bfloat16).
+struct TilesCall {
+  torch::ScalarType st;
+  bool h, b16;
+  int64_t M, K, NT;
+};
+
+TilesCall check_tiles(const torch::Tensor& x, const torch::Tensor& tiles, const char* what) {
   const bool h = tiles.scalar_type() == torch::kHalf;
-  const auto st = h ? check_dtype({&x}, "linear_tiles") : check_dtype({&x, &tiles}, "linear_tiles");
-  TORCH_CHECK(!h || (st == torch::kFloat32 && tiles.device().is_cpu() && f16_built()),
-              "linear_tiles: float16 tiles need float32 x and a build with F16C or AVX-512");
+  const auto st = h ? check_dtype({&x}, what) : check_dtype({&x, &tiles}, what);
+  TORCH_CHECK(!h || (st == torch::kFloat32 && tiles.device().is_cpu() && f16_built()), what,
+              ": float16 tiles need float32 x and a build with F16C or AVX-512");
   const bool b16 = st == torch::kBFloat16;
-  TORCH_CHECK(!b16 || bf16_tiles_built(), "linear_tiles: bfloat16 tiles need an AVX-512 BF16 build");
+  TORCH_CHECK(!b16 || bf16_tiles_built(), what, ": bfloat16 tiles need an AVX-512 BF16 build");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && tiles.is_contiguous() && tiles.dim() == (b16 ? 4 : 3) &&
                   tiles.size(2) == kTile && tiles.size(1) * (b16 ? 2 : 1) == x.size(1) &&
                   (!b16 || tiles.size(3) == 2),
-              "linear_tiles: x [M, K] with contiguous rows and tiles [N / ", kTile, ", K, ", kTile,
-              "] (bfloat16: [N / ", kTile, ", K / 2, ", kTile, ", 2]) expected");
-  const int64_t M = x.size(0), K = x.size(1), NT = tiles.size(0);
+              what, ": x [M, K] with contiguous rows and tiles [N / ", kTile, ", K, ", kTile, "] (bfloat16: [N / ",
+              kTile, ", K / 2, ", kTile, ", 2]) expected");
+  return {st, h, b16, x.size(0), x.size(1), tiles.size(0)};
+}
+
+// Whether bfloat16 tiles multiply on AMX (amx_tiles_kernel) rather than the tile kernel.
+bool amx_takes(const TilesCall& c) {
+#ifdef PAGEBUS_AMX
+  return c.b16 && c.M >= kAmxMinRows && c.K % kAmxK == 0 && amx_usable();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (rows contiguous) times `pack_tiles` tiles -> [M, N], in the tiles' dtype.
+torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles) {
+  const TilesCall c = check_tiles(x, tiles, "linear_tiles");
+  const bool h = c.h, b16 = c.b16;
+  const int64_t M = c.M, K = c.K, NT = c.NT;
   auto y = torch::empty({M, NT * kTile}, x.options());
 #ifdef PAGEBUS_SIMD
 #ifdef __AVX512BF16__
 #ifdef PAGEBUS_AMX
-  if (b16 && M >= kAmxMinRows && K % kAmxK == 0 && amx_usable()) {
+  if (amx_takes(c)) {
     // AMX reads x 16 rows at a time: a partial last group comes from a zero-padded copy
     const int64_t Mp = (M + kAmxGroup - 1) / kAmxGroup * kAmxGroup;
     torch::Tensor xa = x;
@@ -2848,6 +2898,116 @@ torch::Tensor tiles_matmul(const torch::Tensor& x, const std::vector<torch::Tens
 }
 
 int64_t tiles_matmul_address() { return reinterpret_cast<int64_t>(&tiles_matmul); }
+
+// The running first maximum of some of a row's columns, as first_max_scalar picks it over the
+// whole row (a NaN is the maximum: its first one; ties go to the lower column), held so that
+// merging in any order gives the same: the fused argmax's threads take tiles out of order.
+struct RowBest {
+  static constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  float val = -std::numeric_limits<float>::infinity();
+  int64_t at = kNone, nan_at = kNone;
+  void add(float v, int64_t j) {
+    if (v != v)
+      nan_at = std::min(nan_at, j);
+    else if (v > val || (v == val && j < at))
+      val = v, at = j;
+  }
+  void merge(const RowBest& o) {
+    nan_at = std::min(nan_at, o.nan_at);
+    if (o.at != kNone) add(o.val, o.at);
+  }
+  int64_t index() const { return nan_at != kNone ? nan_at : at; }
+};
+
+#ifdef PAGEBUS_SIMD
+// A tile's kTile values of one row (columns c0..) into b: one vector pass, and the values one by
+// one only where the tile may hold the best so far or a NaN (a few tiles of a row's thousand).
+template <typename T>
+inline void add_tile(const T* y, int64_t c0, RowBest& b) {
+  vf v[kTileVecs];
+  for (int i = 0; i < kTileVecs; ++i) v[i] = vload(y + i * kLanes);
+  vf m = v[0];
+  bool nan = false;
+  for (int i = 0; i < kTileVecs; ++i) {
+#ifdef __AVX512F__
+    nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q) != 0;
+#else
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q)) != 0;
+#endif
+    m = vmax(m, v[i]);
+  }
+  if (nan || max_lanes(m) >= b.val)
+    for (int64_t j = 0; j < kTile; ++j) b.add(f32(y[j]), c0 + j);
+}
+
+// tiles_into's `out` for argmax_tiles: each tile's block of y in the thread's scratch, reduced
+// into the thread's RowBest of each row while it is in L1.
+template <typename T>
+struct TilesArgmax {
+  int64_t M, rows_cap;
+  std::vector<RowBest>& best;  // [threads][M]
+  static std::vector<T>& scratch() {
+    thread_local std::vector<T> s;
+    return s;
+  }
+  T* at(int64_t, int64_t, int64_t& ld) const {
+    ld = kTile;
+    auto& s = scratch();
+    if (static_cast<int64_t>(s.size()) < rows_cap * kTile) s.resize(static_cast<size_t>(rows_cap * kTile));
+    return s.data();
+  }
+  void done(int64_t r0, int64_t rows, int64_t t) const {
+    const T* s = scratch().data();
+    RowBest* mine = best.data() + at::get_thread_num() * M;
+    for (int64_t r = 0; r < rows; ++r) add_tile(s + r * kTile, t * kTile, mine[r0 + r]);
+  }
+};
+
+template <typename T, typename W>
+void argmax_into(const TilesCall& c, const torch::Tensor& x, const torch::Tensor& tiles, std::vector<RowBest>& best) {
+  // the rows tiles_into hands over at once: all of them, or a row chunk's
+  const int64_t rows_cap = c.M <= kFewRows ? c.M : std::min(c.M, row_chunk<T>(c.K));
+  TilesArgmax<T> o{c.M, rows_cap, best};
+  tiles_into<T, W>(x.data_ptr<T>(), x.stride(0), tiles.data_ptr<W>(), o, c.M, c.K, c.NT);
+}
+#endif
+
+// Each row's first maximum of x @ W^T: argmax_rows(linear_tiles(x, tiles).float()), NaN
+// included, without storing the product. Each tile's block of it is reduced in L1 as the tile
+// kernel leaves it: a greedy step's LM head, whose [rows, vocab] logits, written early in a
+// stream of 57 MB of weights, had left the caches by its end, so converting them to float32 and
+// the argmax read them back from DRAM (~0.1 ms of a 7-10 ms single-stream step, bf16, Zen 4).
+// AMX and MKL's float32 rows (linear_tiles's other paths) take the product and argmax_rows.
+torch::Tensor argmax_tiles(torch::Tensor x, torch::Tensor tiles) {
+  const TilesCall c = check_tiles(x, tiles, "argmax_tiles");
+  TORCH_CHECK(c.M == 0 || c.NT > 0, "argmax_tiles: an empty row has no maximum");
+  auto out = torch::empty({c.M}, x.options().dtype(torch::kInt64));
+#ifdef PAGEBUS_SIMD
+  if (!amx_takes(c) && (c.st != torch::kFloat32 || c.h || c.M <= max_tile_rows())) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    std::vector<RowBest> best(static_cast<size_t>(threads * c.M));
+    if (c.h) {
+#ifdef PAGEBUS_F16
+      argmax_into<float, f16>(c, x, tiles, best);
+#endif
+    } else if (c.b16) {
+#ifdef __AVX512BF16__
+      argmax_into<bf16, bf16>(c, x, tiles, best);
+#endif
+    } else {
+      argmax_into<float, float>(c, x, tiles, best);
+    }
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < c.M; ++r) {
+      RowBest b = best[r];
+      for (int64_t t = 1; t < threads; ++t) b.merge(best[t * c.M + r]);
+      op[r] = b.index();
+    }
+    return out;
+  }
+#endif
+  return argmax_rows(tiles_matmul(x, {tiles}).to(torch::kFloat32));
+}
 
 // silu(x . gate) * (x . up) from a gate_up weight's column tiles into out [M, NT / 2 * kTile]:
 // float32 x, float32 or float16 tiles, where tiles_matmul would run the tile kernel; false (out
@@ -2995,6 +3155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged attention of the one-token queries");
   m.def("prefill_attention", &prefill_attention, "paged causal attention of the prefill chunks (False: not taken)");
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
+  m.def("argmax_tiles", &argmax_tiles, "argmax_rows of x times column tiles, without storing the product");
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.argmax(-1); NaN is the maximum)");
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
   m.def("f16_built", &f16_built, "whether float16 caches and weight tiles beside float32 activations are compiled in");

@@ -631,6 +631,76 @@ def test_argmax_rows_is_torch_argmax(rows: int) -> None:
     assert native.argmax_rows(wide).tolist() == wide.argmax(-1).tolist() == [500, 999, 10, 0, 100, 300, 0]
 
 
+TILE_DTYPES = pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(torch.bfloat16, marks=BF16_TILES),
+        pytest.param(torch.float16, marks=F16_TILES),  # float16 tiles beside float32 x
+    ],
+)
+
+
+def _tiles_of(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tiles = native.pack_linear(w, half=True) if dtype is torch.float16 else native.pack_linear(w.to(dtype))
+    assert tiles is not None
+    return tiles
+
+
+@TILE_DTYPES
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 70, 300])
+@pytest.mark.parametrize(("n", "k"), [(4800, 576), (96, 1536)])
+def test_argmax_tiles_is_the_argmax_of_the_product(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    """The fused argmax (a greedy step's LM head) picks what the argmax of linear_tiles's product
+    picks, in every path: one stream of tiles (up to 4 rows), row blocks, several row chunks
+    (300 rows at K = 1,536)."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    tiles = _tiles_of(torch.randn(n, k, generator=g), dtype)
+    x = torch.randn(rows, k, generator=g).to(torch.float32 if dtype is torch.float16 else dtype)
+    want = native.linear_tiles(x, tiles).float().argmax(-1)
+    got = native.argmax_tiles(x, tiles)
+    assert got is not None and got.dtype is torch.int64
+    assert torch.equal(got, want)
+
+
+@TILE_DTYPES
+def test_argmax_tiles_edges(dtype: torch.dtype) -> None:
+    """Ties go to the first column, across tiles and threads too; a NaN is the maximum (its
+    first); a row of -inf gives 0, as torch.argmax does. x = [1, 0] against W's [:, 0] = the
+    row's values (exact products): each case is one row of logits set by hand."""
+    inf, nan = float("inf"), float("nan")
+    n = 4800
+    cases: list[tuple[dict[int, float], float]] = [  # (columns set, every other column's value)
+        ({100: 5.0, 4000: 5.0, 4799: 5.0}, 0.0),  # a tie between tiles far apart: the first
+        ({2399: 7.0, 2400: 7.0}, 1.0),  # across neighbouring tiles (two threads' split: 50 tiles each)
+        ({2402: 7.0, 2403: 7.0}, 1.0),  # within a tile
+        ({10: nan, 3000: nan, 20: 9.0}, 0.0),  # the first NaN
+        ({4799: nan}, 3.0),  # NaN in the last column
+        ({}, -inf),  # every value -inf
+        ({4000: inf}, -1.0),
+        ({50: -0.0, 49: 0.0}, -2.0),  # signed zeros are equal: the first
+    ]
+    for columns, other in cases:
+        values = torch.full((n,), other)
+        for j, v in columns.items():
+            values[j] = v
+        w = torch.zeros(n, 2)
+        w[:, 0] = values
+        x = torch.tensor([[1.0, 0.0]]).to(torch.float32 if dtype is torch.float16 else dtype)
+        got = native.argmax_tiles(x, _tiles_of(w, dtype))
+        assert got is not None and got.tolist() == values.view(1, -1).argmax(-1).tolist(), columns
+
+
+def test_argmax_tiles_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    tiles = native.pack_linear(torch.randn(96, 64))
+    assert tiles is not None
+    assert native.argmax_tiles(torch.randn(2, 64).double(), tiles) is None  # not the tiles' dtype
+    assert native.argmax_tiles(torch.randn(64, 2).t(), tiles) is None  # columns are not contiguous
+    assert native.argmax_tiles(torch.randn(0, 64), tiles) is None
+    monkeypatch.setenv("PAGEBUS_CPU_KERNELS", "0")
+    assert native.argmax_tiles(torch.randn(2, 64), tiles) is None
+
+
 def test_argmax_rows_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4, 1000)
     assert native.argmax_rows(x.bfloat16()) is None

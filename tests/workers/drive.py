@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -47,10 +48,12 @@ def drive_greedy(
 def drive_greedy_seen(
     runner: ModelRunner, prompts: dict[str, tuple[list[int], int]], seen: Callable[[Any, torch.Tensor], None]
 ) -> dict[str, list[int]]:
-    """drive_greedy, calling seen(forward_batch, logits) after every forward of the runner's model."""
+    """drive_greedy, calling seen(forward_batch, logits) after every forward of the runner's model
+    (which then returns logits, not the LM head's fused argmax: see ForwardBatch.greedy)."""
     forward: Callable[..., torch.Tensor] = runner.model.forward
 
     def spy(fb: Any) -> torch.Tensor:
+        fb = dataclasses.replace(fb, greedy=False)
         out = forward(fb)
         seen(fb, out)
         return out

@@ -83,6 +83,13 @@ class UnquantizedLinearMethod(LinearMethod):
 
         return tiles_matmul_address(), [layer.weight]
 
+    def argmax(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        if layer.weight.dim() < 3 or layer.bias is not None:
+            return None
+        from pagebus.kernels.cpu_native import argmax_tiles
+
+        return argmax_tiles(x, layer.weight)
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         if layer.weight.dim() > 2:
             from pagebus.kernels.cpu_native import embed_tiles

@@ -103,6 +103,13 @@ class ParallelLMHead(Linear):
         logits = self.parallel.all_gather_last(super().forward(x))
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
 
+    def greedy_ids(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`forward(x).float().argmax(-1)` (int64 [rows]) where the weight's method computes it
+        without the logits (one rank: the whole vocabulary here); else None."""
+        if self.parallel.tp_size != 1 or x.dim() != 2:
+            return None
+        return self.quant_method.argmax(self, x)
+
 
 class VocabParallelEmbedding(Embedding):
     """This rank's rows of the table; other ids look up zeros and the all-reduce fills them in."""

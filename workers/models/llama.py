@@ -294,8 +294,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Logits [num_sampling_seqs, vocab] in float32, only for the rows that sample (None on
-        a pipeline stage before the last)."""
+        a pipeline stage before the last); for a `fb.greedy` step, where the LM head computes
+        them without the logits, those rows' argmax ids, int64 [num_sampling_seqs]."""
         hidden = self.model(fb, self.cos_sin_cache)
         if hidden is None or self.lm_head is None:
             return None
+        if fb.greedy:
+            ids = self.lm_head.greedy_ids(hidden)
+            if ids is not None:
+                return ids
         return self.lm_head(hidden).float()

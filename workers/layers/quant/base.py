@@ -53,6 +53,11 @@ class LinearMethod:
         takes; None where only Python can run this layer."""
         return None
 
+    def argmax(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """(x @ W^T).argmax(-1) for 2-D x, int64 [rows], computed without storing the product
+        (a greedy step's LM head); None where this method has no such path."""
+        return None
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, for an embedding tied to this layer."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve a tied embedding")
