@@ -788,6 +788,19 @@ constexpr int64_t kMinSplitBlocks = 2;
 // from 2 blocks, 96 tokens took 1.24x the time.
 constexpr int64_t kMinSplitBlocksPairs = 8;
 
+// How many runs of whole blocks each decode's keys split into for a split decode (1: none): with
+// fewer decodes than threads (a single stream), enough to spread them over the threads, none of
+// fewer than min_blocks blocks of the longest sequence, at most 64 (merge_runs's weights).
+static int64_t key_runs(int64_t B, const int32_t* lp, const int32_t* qp0, int64_t bs, int64_t min_blocks) {
+  int64_t decodes = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (qp0[b + 1] - qp0[b] == 1) ++decodes, longest = std::max<int64_t>(longest, lp[b]);
+  const int64_t threads = at::get_num_threads();
+  if (decodes == 0 || decodes >= threads) return 1;
+  return std::max<int64_t>(
+      1, std::min({(threads + decodes - 1) / decodes, (longest + bs - 1) / bs / min_blocks, int64_t{64}}));
+}
+
 // The claims of a split decode (decode_rows_fast, decode_rows_pairs): run p of each decode b's
 // keys, [j_lo, j_hi) in whole 16-token blocks, as f(b, j_lo, j_hi, c), c = b * parts + p being
 // the run's index into the outputs and stats ([B * parts, h, 2]) merge_runs reads; the runs of a
@@ -1167,14 +1180,7 @@ void decode_rows_pairs(bf16* op0, int64_t os, const bf16* qp, int64_t qs, const 
   // Fewer decodes than threads (a single stream): each sequence's keys split into `parts` runs of
   // whole blocks, one claim each, merged by their softmax stats, as decode_rows_fast does, from
   // kMinSplitBlocksPairs blocks on. Each run trickles its own V over its K pass.
-  int64_t decodes = 0, longest = 0;
-  for (int64_t b = 0; b < B; ++b)
-    if (qp0[b + 1] - qp0[b] == 1) ++decodes, longest = std::max<int64_t>(longest, lp[b]);
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = decodes > 0 && decodes < threads
-                            ? std::min({(threads + decodes - 1) / decodes,
-                                        (longest + bs - 1) / bs / kMinSplitBlocksPairs, int64_t{64}})
-                            : 1;
+  const int64_t parts = key_runs(B, lp, qp0, bs, kMinSplitBlocksPairs);
   if (parts > 1) {
     std::vector<float> part_out(static_cast<size_t>(B * parts * h * d)), stats(static_cast<size_t>(B * parts * h * 2));
     for_each_key_run(B, parts, lp, qp0, h, stats.data(), [&](int64_t b, int64_t j_lo, int64_t j_hi, int64_t c) {
@@ -1318,17 +1324,11 @@ void decode_rows_fast(T* op0, int64_t os, const T* qp, int64_t qs, const C* kc, 
   // Fewer decodes than threads (a single stream): each sequence's keys split into `parts` runs of
   // whole blocks, one claim each, merged by their softmax stats (flash-decoding), so a long
   // context's attention does not run on one thread while the others wait.
-  int64_t decodes = 0, longest = 0;
-  for (int64_t b = 0; b < B; ++b)
-    if (qp0[b + 1] - qp0[b] == 1) ++decodes, longest = std::max<int64_t>(longest, lp[b]);
-  const int64_t threads = at::get_num_threads();
-  int64_t parts = 1;
-  if (std::is_same<T, float>::value && decodes > 0 && decodes < threads)
-    parts = std::min({(threads + decodes - 1) / decodes, (longest + bs - 1) / bs / kMinSplitBlocks, int64_t{64}});
+  const int64_t parts = std::is_same<T, float>::value ? key_runs(B, lp, qp0, bs, kMinSplitBlocks) : 1;
   if (parts <= 1) {
     // a sequence a claim: their lengths differ, so fixed shares by count would not be even
     auto decode = [&](int64_t b) { return b < B && qp0[b + 1] - qp0[b] == 1; };
-    std::vector<int64_t> fetched(static_cast<size_t>(threads), -1);  // per thread: the claim whose K it fetched
+    std::vector<int64_t> fetched(static_cast<size_t>(at::get_num_threads()), -1);  // per thread: the claim whose K it fetched
     for_each_claim(B, [&](int64_t b, int64_t after) {
       int64_t& f = fetched[at::get_thread_num()];
       const bool warm = f == b;
