@@ -477,6 +477,7 @@ class ModelRunner:
             return BatchResult(step_id=batch.step_id, seq_ids=[], token_ids=[])
         if self._drafts:
             return self._verify(batch.step_id, logits, step.sampling)
+        logprobs: list[TokenLogprobs | None]
         if logits.dtype is torch.int64:  # the LM head's fused argmax (step.greedy)
             tokens, logprobs = logits.tolist(), [None] * len(step.sampling)
         else:
