@@ -478,7 +478,7 @@ class ModelRunner:
         if self._drafts:
             return self._verify(batch.step_id, logits, step.sampling)
         logprobs: list[TokenLogprobs | None]
-        if logits.dtype is torch.int64:  # the LM head's fused argmax (step.greedy)
+        if logits is not None and logits.dtype is torch.int64:  # the LM head's fused argmax (step.greedy)
             tokens, logprobs = logits.tolist(), [None] * len(step.sampling)
         else:
             tokens, logprobs = self._sample(logits, step.sampling)
