@@ -122,8 +122,11 @@ class DraftModel:
         decodes = sum(q == 1 for q in qlens)
         meta = StepMeta(max(qlens), max(seq_lens), decodes, len(qlens) - decodes, seq_lens, starts)
         t = r.inputs.load(input_ids, positions, slots, table_rows, seq_lens, starts, logits_rows)
-        logits = self.model(r._forward_batch(t, meta, t.logits_indices, self.kv_caches))
+        # greedy: proposals are the draft's argmax, from the fused LM head where it has one
+        logits = self.model(r._forward_batch(t, meta, t.logits_indices, self.kv_caches, greedy=True))
         if logits_rows:
+            if logits.dtype is torch.int64:
+                return list(logits.tolist())
             return r._greedy_ids(logits)  # waits for the stream, as the next load needs
         if r.device.type == "cuda":  # the next load rewrites the host buffers this step reads
             done = torch.cuda.Event()
