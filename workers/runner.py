@@ -481,7 +481,7 @@ class ModelRunner:
         if logits is not None and logits.dtype is torch.int64:  # the LM head's fused argmax (step.greedy)
             tokens, logprobs = logits.tolist(), [None] * len(step.sampling)
         else:
-            tokens, logprobs = self._sample(logits, step.sampling)
+            tokens, logprobs = self._sample(logits, step.sampling, step.greedy)
         for seq_id, tok in zip(step.sampling, tokens, strict=True):
             self.seqs[seq_id].token_ids.append(tok)
         any_lp = any(lp is not None for lp in logprobs)
@@ -620,9 +620,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
     def _sample(
-        self, logits: torch.Tensor, sampling: list[str]
+        self, logits: torch.Tensor, sampling: list[str], plain_greedy: bool = False
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        if all(_plain_greedy(self.seqs[i]) for i in sampling):
+        """plain_greedy: every row is already known to be _plain_greedy (_Step.greedy)."""
+        if plain_greedy or all(_plain_greedy(self.seqs[i]) for i in sampling):
             return self._from_last_stage(lambda: (self._greedy_ids(logits), [None] * len(sampling)))
         return self._from_last_stage(lambda: self.sampler(logits, [self._sample_row(i) for i in sampling]))
 
