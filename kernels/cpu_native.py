@@ -223,13 +223,19 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     return native_ops().argmax_rows(logits)
 
 
+def argmax_tiles_take(dtype: torch.dtype, tiles: torch.Tensor) -> bool:
+    """Whether argmax_tiles takes activations of `dtype` with these tiles (float16 tiles widen
+    to float32 activations; the others take their own dtype), the compiled ops being there."""
+    want = torch.float32 if tiles.dtype is torch.float16 else tiles.dtype
+    return dtype is want and tiles.is_cpu and available() is None
+
+
 def argmax_tiles(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor | None:
     """argmax_rows(linear_tiles(x, tiles).float()) for 2-D x: the same ids, without storing the
     product (csrc argmax_tiles); None where the compiled ops do not take x."""
-    want = torch.float32 if tiles.dtype is torch.float16 else tiles.dtype
-    if x.dtype is not want or x.dim() != 2 or x.stride(1) != 1 or x.shape[0] == 0 or not x.is_cpu:
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[0] == 0 or not x.is_cpu:
         return None
-    if available() is not None:
+    if not argmax_tiles_take(x.dtype, tiles):
         return None
     return native_ops().argmax_tiles(x, tiles)
 

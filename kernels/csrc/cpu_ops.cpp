@@ -3083,9 +3083,17 @@ class DecodeStack {
   // normed rows and the SiLU product live in buffers of this call, updated in place layer after
   // layer: a layer then allocates only its matmuls' outputs and the attention's (the separate
   // ops cost ~3 us each at one row, mostly their output tensors and views).
+  //
+  // tail 1: [the final norm of every row's hidden + residual] instead; tail 2: [each row's argmax
+  // of the LM head over those] (set_final's): a decode step where every row samples. One call
+  // then ends the step's model: the separate gather, norm and head calls cost ~0.15 ms a step
+  // in the single stream (their first touch of code and data the weight stream had flushed).
   std::vector<torch::Tensor> run(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions,
                                  torch::Tensor cos_sin, torch::Tensor slots, torch::Tensor block_tables,
-                                 torch::Tensor seq_lens, torch::Tensor query_start_loc) {
+                                 torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t tail) {
+    TORCH_CHECK(tail >= 0 && tail <= 2, "DecodeStack.run: tail 0 (layers), 1 (final norm) or 2 (argmax)");
+    TORCH_CHECK(tail == 0 || final_norm_.defined(), "DecodeStack.run: a tail without set_final");
+    TORCH_CHECK(tail < 2 || head_.defined(), "DecodeStack.run: an argmax tail without the head's tiles");
     const auto st = check_dtype({&x}, "DecodeStack.run");
     TORCH_CHECK(!layers_.empty() && layers_.front().in_norm.scalar_type() == st, "DecodeStack.run: no layers, or x ",
                 "of another dtype than the norms'");
@@ -3129,14 +3137,31 @@ class DecodeStack {
         }
         x = L.down(act).contiguous();
       }
+      if (tail > 0)
+        add_norm_rows<T>(x.data_ptr<T>(), res.data_ptr<T>(), final_norm_.data_ptr<T>(), res.data_ptr<T>(),
+                         h.data_ptr<T>(), M, hid, static_cast<float>(final_eps_));
     });
+    if (tail == 1) return {h};
+    if (tail == 2) return {argmax_tiles(h, head_)};
     return {x, res};
+  }
+
+  // The model's final norm and, where argmax_tiles takes the activations' dtype, the LM head's
+  // column tiles (undefined: no argmax tail).
+  void set_final(torch::Tensor norm, double eps, c10::optional<torch::Tensor> head) {
+    TORCH_CHECK(!layers_.empty() && norm.is_contiguous() && norm.sizes() == layers_.front().in_norm.sizes() &&
+                    norm.scalar_type() == layers_.front().in_norm.scalar_type(),
+                "DecodeStack.set_final: after add_layer, a contiguous norm weight like the layers' expected");
+    final_norm_ = norm;
+    final_eps_ = eps;
+    head_ = head ? *head : torch::Tensor();
   }
 
  private:
   int64_t heads_, kv_heads_;
-  double scale_, eps_;
+  double scale_, eps_, final_eps_ = 0.0;
   std::vector<StackLayer> layers_;
+  torch::Tensor final_norm_, head_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -3166,5 +3191,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_final", &DecodeStack::set_final)
       .def("run", &DecodeStack::run);
 }

@@ -14,7 +14,7 @@ from pagebus.scheduler.scheduler import Scheduler
 from pagebus.workers.layers.parallel import ParallelLMHead
 from pagebus.workers.runner import ModelRunner
 
-from tests.workers.drive import drive_greedy
+from tests.workers.drive import drive_greedy, drive_greedy_seen
 
 BF16_TILES = pytest.mark.skipif(
     native.available() is not None or not native.native_ops().bf16_tiles_built(),
@@ -48,20 +48,36 @@ def _outputs_of_forward(runner: ModelRunner) -> list[torch.Tensor]:
         pytest.param("none", "bfloat16", marks=BF16_TILES),
     ],
 )
-def test_greedy_tokens_come_from_the_fused_argmax(
-    default_model: str, quantization: str, dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_tokens_come_from_the_fused_argmax(default_model: str, quantization: str, dtype: str) -> None:
     if native.available() is not None:
         pytest.skip("the compiled CPU ops did not build: no column tiles")
     runner = _runner(default_model, dtype, quantization)
     outs = _outputs_of_forward(runner)
     fused, _ = drive_greedy(runner, PROMPTS)
     assert outs and all(o.dtype is torch.int64 for o in outs)  # every step: ids, no logits
-    monkeypatch.setattr(ParallelLMHead, "greedy_ids", lambda self, x: None)
+    # the decode steps' ids came from the decode stack's tail (the head's argmax after its layers)
+    assert runner.model.model._stack is not None and runner.model.model._stack_argmax
     outs.clear()
-    from_logits, _ = drive_greedy(runner, PROMPTS)
+    from_logits = drive_greedy_seen(runner, PROMPTS, lambda fb, logits: None)  # greedy=False: logits
     assert outs and all(o.dtype is torch.float32 for o in outs)
     assert fused == from_logits
+
+
+def test_the_head_outside_the_stack_gives_the_same_ids(
+    default_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stack without the head's tiles (`argmax_weight` None) ends at the final norm, and the
+    head's own fused argmax (`greedy_ids`) takes the ids: the same as the stack's tail."""
+    if native.available() is not None:
+        pytest.skip("the compiled CPU ops did not build: no column tiles")
+    in_stack, _ = drive_greedy(_runner(default_model, "float32", "none"), PROMPTS)
+    monkeypatch.setattr(ParallelLMHead, "argmax_weight", lambda self, dtype: None)
+    runner = _runner(default_model, "float32", "none")
+    outs = _outputs_of_forward(runner)
+    outside, _ = drive_greedy(runner, PROMPTS)
+    assert runner.model.model._stack is not None and not runner.model.model._stack_argmax
+    assert outs and all(o.dtype is torch.int64 for o in outs)
+    assert in_stack == outside
 
 
 def test_a_row_that_needs_logits_gets_them(default_model: str) -> None:

@@ -84,11 +84,18 @@ class UnquantizedLinearMethod(LinearMethod):
         return tiles_matmul_address(), [layer.weight]
 
     def argmax(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        if layer.weight.dim() < 3 or layer.bias is not None:
+        if self.argmax_tiles_weight(layer, x.dtype) is None:
             return None
         from pagebus.kernels.cpu_native import argmax_tiles
 
         return argmax_tiles(x, layer.weight)
+
+    def argmax_tiles_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor | None:
+        if layer.weight.dim() < 3 or layer.bias is not None:
+            return None
+        from pagebus.kernels.cpu_native import argmax_tiles_take
+
+        return layer.weight if argmax_tiles_take(dtype, layer.weight) else None
 
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         if layer.weight.dim() > 2:

@@ -110,6 +110,13 @@ class ParallelLMHead(Linear):
             return None
         return self.quant_method.argmax(self, x)
 
+    def argmax_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The tiles csrc's argmax_tiles takes for `greedy_ids` of activations of `dtype`, for
+        the decode stack to run the argmax itself; None where greedy_ids has no such path."""
+        if self.parallel.tp_size != 1:
+            return None
+        return self.quant_method.argmax_tiles_weight(self, dtype)
+
 
 class VocabParallelEmbedding(Embedding):
     """This rank's rows of the table; other ids look up zeros and the all-reduce fills them in."""

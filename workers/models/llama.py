@@ -155,10 +155,15 @@ class Model(DirectCall):
         # more than the rest of the loop.
         self.__dict__["held_layers"] = [self.layers[i] for i in self.held]
         self._stack: tuple[object, Any] | None = None  # (the caches it was built for, the stack or None)
+        self._stack_argmax = False  # the stack holds the LM head's tiles (see _stack_tail)
 
-    def forward(self, fb: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor | None:
+    def forward(
+        self, fb: ForwardBatch, cos_sin: torch.Tensor, head: ParallelLMHead | None = None
+    ) -> torch.Tensor | None:
         """The final hidden states of the rows `fb.logits_indices` names, on the last stage; None
-        on the others (all rows' hidden states and residuals are sent on instead).
+        on the others (all rows' hidden states and residuals are sent on instead). For a
+        `fb.greedy` step that the decode stack ends with `head`'s argmax (`_stack_tail`), the
+        rows' ids instead, int64 [rows].
 
         A prompt token's K/V in the last layer come from that layer's input; its attention output,
         MLP and final norm matter only where logits are taken. So on the last stage, in a step
@@ -176,13 +181,21 @@ class Model(DirectCall):
             x, residual = self.parallel.recv_prev(
                 [torch.empty(shape, dtype=first.dtype, device=first.device) for _ in range(2)]
             )
-        stack = self._decode_stack(fb, x, cos_sin)
+        stack = self._decode_stack(fb, x, cos_sin, head)
         rows = fb.logits_indices
+        tail = self._stack_tail(fb, x, stack)
+        if tail:
+            assert stack is not None
+            (out,) = stack.run(
+                x, residual, fb.positions, cos_sin, fb.slot_mapping, fb.block_tables, fb.seq_lens,
+                fb.query_start_loc, tail,
+            )  # fmt: skip
+            return out
         pruned = self.norm is not None and self.prune_last_layer and rows.shape[0] < x.shape[0]
         if stack is not None:
             x, residual = stack.run(
                 x, residual, fb.positions, cos_sin, fb.slot_mapping, fb.block_tables, fb.seq_lens,
-                fb.query_start_loc,
+                fb.query_start_loc, 0,
             )  # fmt: skip
         elif pruned:
             *layers, last = self.held_layers
@@ -202,7 +215,18 @@ class Model(DirectCall):
         x, _ = self.norm(x, fb, residual)
         return x
 
-    def _decode_stack(self, fb: ForwardBatch, x: torch.Tensor, cos_sin: torch.Tensor) -> Any | None:
+    def _stack_tail(self, fb: ForwardBatch, x: torch.Tensor, stack: Any | None) -> int:
+        """What the decode stack runs after the layers: 0 nothing (it returns the last layer's
+        hidden states and residual), 1 the final norm, 2 that and the LM head's argmax (a greedy
+        step, where the stack holds the head). Only where every row samples, as in a decode
+        step: `logits_indices` is then every row in order, so no rows are picked."""
+        if stack is None or self.norm is None or fb.logits_indices.shape[0] != x.shape[0]:
+            return 0
+        return 2 if fb.greedy and self._stack_argmax else 1
+
+    def _decode_stack(
+        self, fb: ForwardBatch, x: torch.Tensor, cos_sin: torch.Tensor, head: ParallelLMHead | None
+    ) -> Any | None:
         """The backend's compiled decode stack for this step, or None where the layers run one by
         one: steps with prefill tokens, fp8 caches, other dtypes, tensor parallelism (its
         all-reduces), qk-norm, and layers whose matmuls only Python can run (a bias, mixed GGUF
@@ -221,10 +245,10 @@ class Model(DirectCall):
         ):
             return None
         if self._stack is None or self._stack[0] is not fb.kv_caches:
-            self._stack = (fb.kv_caches, self._build_stack(fb, x.dtype))
+            self._stack = (fb.kv_caches, self._build_stack(fb, x.dtype, head))
         return self._stack[1]
 
-    def _build_stack(self, fb: ForwardBatch, dtype: torch.dtype) -> Any | None:
+    def _build_stack(self, fb: ForwardBatch, dtype: torch.dtype, head: ParallelLMHead | None) -> Any | None:
         assert fb.ops.decode_stack is not None
         if self.parallel.tp_size != 1 or not self.held_layers:
             return None
@@ -247,6 +271,10 @@ class Model(DirectCall):
             stack.add_layer(
                 *norms, [mm[0] for mm in mms if mm], [mm[1] for mm in mms if mm], k_cache, v_cache
             )
+        head_tiles = None if head is None else head.argmax_weight(dtype)
+        self._stack_argmax = head_tiles is not None
+        if self.norm is not None and self.norm.weight.dtype is dtype:
+            stack.set_final(self.norm.weight, self.norm.eps, head_tiles)
         return stack
 
 
@@ -296,9 +324,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits [num_sampling_seqs, vocab] in float32, only for the rows that sample (None on
         a pipeline stage before the last); for a `fb.greedy` step, where the LM head computes
         them without the logits, those rows' argmax ids, int64 [num_sampling_seqs]."""
-        hidden = self.model(fb, self.cos_sin_cache)
+        hidden = self.model(fb, self.cos_sin_cache, self.lm_head)
         if hidden is None or self.lm_head is None:
             return None
+        if hidden.dtype is torch.int64:  # the decode stack ran the head's argmax (fb.greedy)
+            return hidden
         if fb.greedy:
             ids = self.lm_head.greedy_ids(hidden)
             if ids is not None:

@@ -58,6 +58,12 @@ class LinearMethod:
         (a greedy step's LM head); None where this method has no such path."""
         return None
 
+    def argmax_tiles_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor | None:
+        """The column tiles csrc's argmax_tiles multiplies activations of `dtype` by, for a
+        native caller that runs the argmax itself (the decode stack's tail); None where this
+        method has none."""
+        return None
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, for an embedding tied to this layer."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve a tied embedding")
