@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pagebus.workers.ops import Ops
+
+# per layer (K, V) caches
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# A model's whole greedy decode step (LlamaForCausalLM.greedy_decoder): (input_ids, positions,
+# slot_mapping, the persistent block table, the step's rows of it, seq_lens, query_start_loc) ->
+# each row's next token id, int64.
+GreedyDecoder = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
 
 
 @dataclass
@@ -19,7 +30,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     logits_indices: torch.Tensor  # [num_sampling_seqs] int64: rows whose logits are sampled
     # per layer (K, V): [num_blocks, bs, kv_heads, d] each, or K in token pairs on CPUs (Ops.k_cache_shape)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: KVCaches
     ops: Ops
     # Host-side facts of the step, so no op reads a device tensor back to learn them (None:
     # unknown, an op that needs one reads it back).

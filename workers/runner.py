@@ -38,7 +38,7 @@ from pagebus.workers.device import (
 )
 from pagebus.workers.distributed.layout import local_kv_config
 from pagebus.workers.distributed.state import SINGLE, Parallel, building
-from pagebus.workers.forward_batch import ForwardBatch
+from pagebus.workers.forward_batch import ForwardBatch, GreedyDecoder, KVCaches
 from pagebus.workers.host_memory import huge_page_zeros, into_huge_pages, keep_freed_memory
 from pagebus.workers.input_batch import InputBuffers, StepTensors
 from pagebus.workers.kv_scales import KVScales, calibrate_kv_scales
@@ -72,7 +72,6 @@ from pagebus.workers.weight_cache import (
 
 log = logging.getLogger(__name__)
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 SampleOut = tuple[list[int], list[TokenLogprobs | None]]
 
 
@@ -169,6 +168,10 @@ def _plain_greedy(s: _Seq) -> bool:
 
 
 class ModelRunner:
+    # A step whose every sampling row is plain greedy takes the ids without the logits (the
+    # model's fused argmax, `_Step.greedy`); tests turn it off to see every step's logits.
+    fused_greedy = True
+
     def __init__(
         self, cfg: EngineConfig, model_path: str, rank: int = 0, parallel: Parallel | None = None
     ) -> None:
@@ -217,6 +220,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         check_kv_cache_support(self.kv_dtype, self.device, self.ops.name)
         self.kv_scales: KVScales | None = None  # an fp8 cache's, measured once it exists
+        # _greedy_decoder's: (the caches it runs on, the decoder or None), once asked
+        self._decoder: tuple[KVCaches, GreedyDecoder | None] | None = None
         self.sampler = Sampler(cfg.seed)
         # Unless the user fixed the thread count, matmuls use fewer cores while others need them.
         self.core_share = (
@@ -533,7 +538,8 @@ class ModelRunner:
         if size is None:
             t = self.inputs.load(input_ids, positions, slots, rows, seq_lens, starts, logits_rows)
             greedy = (
-                not self._drafts
+                self.fused_greedy
+                and not self._drafts
                 and self.parallel.layout.pp_size == 1
                 and all(_plain_greedy(self.seqs[i]) for i in sampling)
             )
@@ -584,6 +590,14 @@ class ModelRunner:
     def _run(self, step: _Step) -> torch.Tensor:
         """Logits [num_sampling, vocab] float32, on the device; or, for a step.greedy step where
         the model computes them without the logits, the argmax ids int64 [num_sampling]."""
+        if step.greedy and step.meta.max_query_len == 1 and len(step.sampling) == step.num_seqs:
+            decoder = self._greedy_decoder()  # every row samples: one call from ids to ids
+            if decoder is not None:
+                t = step.tensors
+                return decoder(
+                    t.input_ids, t.positions, t.slot_mapping, self.inputs.block_table, t.rows,
+                    t.seq_lens, t.query_start_loc,
+                )  # fmt: skip
         if step.graph_size is None:
             return self.model(
                 self._forward_batch(
@@ -599,6 +613,15 @@ class ModelRunner:
         if step.every_row_samples:
             return out[: step.num_seqs]
         return out.index_select(0, step.tensors.logits_indices)
+
+    def _greedy_decoder(self) -> GreedyDecoder | None:
+        """The model's whole greedy decode step for this runner's caches (built on first use),
+        or None: eager steps only, no fp8 scales (see LlamaForCausalLM.greedy_decoder)."""
+        if self._decoder is None or self._decoder[0] is not self.kv_caches:
+            build = getattr(self.model, "greedy_decoder", None)
+            ok = build is not None and self.graphs is None and self.kv_scales is None
+            self._decoder = (self.kv_caches, build(self.ops, self.kv_caches) if ok else None)
+        return self._decoder[1]
 
     def prompt_logits(
         self, token_ids: list[int], block_ids: list[int], logits_at: list[int] | None = None

@@ -3146,6 +3146,31 @@ class DecodeStack {
     return {x, res};
   }
 
+  // A greedy decode step from the token ids to their next ones: the embedding's rows (set_embedding),
+  // the layers, the final norm and the head's argmax, and the step's rows of the persistent
+  // block table, in one call from the runner (workers/runner.py _run). The model's Python around
+  // the stack (module calls, inference mode, the embedding's and the table's gathers) took ~0.25
+  // ms of a single-stream step, on code and data the weight stream had flushed.
+  torch::Tensor greedy_step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor slots,
+                            torch::Tensor table, torch::Tensor rows, torch::Tensor seq_lens,
+                            torch::Tensor query_start_loc) {
+    TORCH_CHECK(embed_.defined(), "DecodeStack.greedy_step: no set_embedding");
+    c10::InferenceMode guard;
+    auto x = embed_tiled_ ? embed_rows(embed_, ids) : embed_.index_select(0, ids);
+    return run(x, c10::nullopt, positions, cos_sin, slots, table.index_select(0, rows), seq_lens, query_start_loc,
+               2)[0];
+  }
+
+  // What greedy_step looks the ids up in: pack_tiles' column tiles of a tied head (embed_rows) or
+  // the [vocab, hidden] table, its rows of the activations' dtype.
+  void set_embedding(torch::Tensor weight, bool tiled) {
+    TORCH_CHECK(tiled || (weight.dim() == 2 && !layers_.empty() &&
+                          weight.scalar_type() == layers_.front().in_norm.scalar_type()),
+                "DecodeStack.set_embedding: column tiles, or a [vocab, hidden] table of the norms' dtype");
+    embed_ = weight;
+    embed_tiled_ = tiled;
+  }
+
   // The model's final norm and, where argmax_tiles takes the activations' dtype, the LM head's
   // column tiles (undefined: no argmax tail).
   void set_final(torch::Tensor norm, double eps, c10::optional<torch::Tensor> head) {
@@ -3161,7 +3186,8 @@ class DecodeStack {
   int64_t heads_, kv_heads_;
   double scale_, eps_, final_eps_ = 0.0;
   std::vector<StackLayer> layers_;
-  torch::Tensor final_norm_, head_;
+  torch::Tensor final_norm_, head_, embed_;
+  bool embed_tiled_ = false;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -3192,5 +3218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_final", &DecodeStack::set_final)
+      .def("set_embedding", &DecodeStack::set_embedding)
+      .def("greedy_step", &DecodeStack::greedy_step)
       .def("run", &DecodeStack::run);
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -49,18 +48,20 @@ def drive_greedy_seen(
     runner: ModelRunner, prompts: dict[str, tuple[list[int], int]], seen: Callable[[Any, torch.Tensor], None]
 ) -> dict[str, list[int]]:
     """drive_greedy, calling seen(forward_batch, logits) after every forward of the runner's model
-    (which then returns logits, not the LM head's fused argmax: see ForwardBatch.greedy)."""
+    (every step then runs `forward` and takes logits, not the fused argmax: see
+    ModelRunner.fused_greedy)."""
     forward: Callable[..., torch.Tensor] = runner.model.forward
 
     def spy(fb: Any) -> torch.Tensor:
-        fb = dataclasses.replace(fb, greedy=False)
         out = forward(fb)
         seen(fb, out)
         return out
 
     runner.model.forward = spy  # type: ignore[method-assign]
+    runner.fused_greedy = False
     try:
         tokens, _ = drive_greedy(runner, prompts)
     finally:
         del runner.model.forward
+        del runner.fused_greedy
     return tokens

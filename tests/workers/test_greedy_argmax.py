@@ -5,6 +5,8 @@ them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from pagebus.bus.config import EngineConfig
@@ -41,6 +43,26 @@ def _outputs_of_forward(runner: ModelRunner) -> list[torch.Tensor]:
     return outs
 
 
+def _outputs_of_decoder(runner: ModelRunner) -> list[torch.Tensor]:
+    """What the model's greedy decoder (one native call a decode step) returns, step by step."""
+    outs: list[torch.Tensor] = []
+    build = runner.model.greedy_decoder
+
+    def spied_build(*args: Any) -> Any:
+        decoder = build(*args)
+        if decoder is None:
+            return None
+
+        def spy(*inputs: torch.Tensor) -> torch.Tensor:
+            outs.append(decoder(*inputs))
+            return outs[-1]
+
+        return spy
+
+    runner.model.greedy_decoder = spied_build
+    return outs
+
+
 @pytest.mark.parametrize(
     ("quantization", "dtype"),
     [
@@ -49,34 +71,38 @@ def _outputs_of_forward(runner: ModelRunner) -> list[torch.Tensor]:
     ],
 )
 def test_greedy_tokens_come_from_the_fused_argmax(default_model: str, quantization: str, dtype: str) -> None:
+    """Prefill steps take the head's argmax after `forward`'s layers; decode steps run whole in
+    the decode stack (the runner's greedy decoder: embedding to argmax). Both give the ids of
+    the logits' argmax."""
     if native.available() is not None:
         pytest.skip("the compiled CPU ops did not build: no column tiles")
     runner = _runner(default_model, dtype, quantization)
-    outs = _outputs_of_forward(runner)
+    outs, steps = _outputs_of_forward(runner), _outputs_of_decoder(runner)
     fused, _ = drive_greedy(runner, PROMPTS)
-    assert outs and all(o.dtype is torch.int64 for o in outs)  # every step: ids, no logits
-    # the decode steps' ids came from the decode stack's tail (the head's argmax after its layers)
-    assert runner.model.model._stack is not None and runner.model.model._stack_argmax
+    assert outs and all(o.dtype is torch.int64 for o in outs)  # every prefill: ids, no logits
+    assert steps and all(o.dtype is torch.int64 for o in steps)  # the decode steps
+    assert sum(o.numel() for o in outs + steps) == sum(n for _, n in PROMPTS.values())  # a token each
     outs.clear()
-    from_logits = drive_greedy_seen(runner, PROMPTS, lambda fb, logits: None)  # greedy=False: logits
-    assert outs and all(o.dtype is torch.float32 for o in outs)
+    steps.clear()
+    from_logits = drive_greedy_seen(runner, PROMPTS, lambda fb, logits: None)  # fused_greedy off
+    assert outs and all(o.dtype is torch.float32 for o in outs) and not steps
     assert fused == from_logits
 
 
 def test_the_head_outside_the_stack_gives_the_same_ids(
     default_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stack without the head's tiles (`argmax_weight` None) ends at the final norm, and the
-    head's own fused argmax (`greedy_ids`) takes the ids: the same as the stack's tail."""
+    """A stack without the head's tiles (`argmax_weight` None) has no greedy decoder and ends at
+    the final norm; the head's own fused argmax (`greedy_ids`) then takes the ids: the same."""
     if native.available() is not None:
         pytest.skip("the compiled CPU ops did not build: no column tiles")
     in_stack, _ = drive_greedy(_runner(default_model, "float32", "none"), PROMPTS)
     monkeypatch.setattr(ParallelLMHead, "argmax_weight", lambda self, dtype: None)
     runner = _runner(default_model, "float32", "none")
-    outs = _outputs_of_forward(runner)
+    outs, steps = _outputs_of_forward(runner), _outputs_of_decoder(runner)
     outside, _ = drive_greedy(runner, PROMPTS)
     assert runner.model.model._stack is not None and not runner.model.model._stack_argmax
-    assert outs and all(o.dtype is torch.int64 for o in outs)
+    assert outs and all(o.dtype is torch.int64 for o in outs) and not steps
     assert in_stack == outside
 
 

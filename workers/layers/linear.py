@@ -208,3 +208,13 @@ class Embedding(DirectCall):
         if self._head is not None:
             return self._head.quant_method.embed(self._head, ids)
         return F.embedding(ids, self.weight)
+
+    def stack_lookup(self) -> tuple[torch.Tensor, bool] | None:
+        """(the tensor, whether it holds column tiles) in which csrc's DecodeStack looks ids up
+        as `forward` does: embed_rows of an unquantized tied head's tiles, or rows of the
+        [vocab, hidden] table; None where `forward` takes another path (a quantized tied head)."""
+        if self._head is None:
+            return self.weight, False
+        if type(self._head.quant_method) is not UnquantizedLinearMethod:
+            return None
+        return self.weight, self.weight.dim() > 2

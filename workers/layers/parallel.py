@@ -139,6 +139,9 @@ class VocabParallelEmbedding(Embedding):
     def tie_to(self, head: Linear) -> None:
         super().tie_to(head)  # same split as the head's: the rows line up
 
+    def stack_lookup(self) -> tuple[torch.Tensor, bool] | None:
+        return super().stack_lookup() if self.parallel.tp_size == 1 else None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return super().forward(ids)

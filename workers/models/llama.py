@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from pagebus.kernels.cpu_native import native_attention_caches
 from pagebus.workers.distributed.state import current
-from pagebus.workers.forward_batch import ForwardBatch
+from pagebus.workers.forward_batch import ForwardBatch, GreedyDecoder, KVCaches
 from pagebus.workers.layers.direct_call import DirectCall
 from pagebus.workers.layers.parallel import (
     MergedColumnParallelLinear,
@@ -28,6 +28,7 @@ from pagebus.workers.layers.parallel import (
 )
 from pagebus.workers.layers.rotary import build_cos_sin_cache
 from pagebus.workers.model_config import ModelConfig
+from pagebus.workers.ops import Ops
 from torch import nn
 
 _FUSED: dict[str, tuple[str, str | int]] = {
@@ -244,21 +245,57 @@ class Model(DirectCall):
             or fb.query_start_loc.dtype is not torch.int32
         ):
             return None
-        if self._stack is None or self._stack[0] is not fb.kv_caches:
-            self._stack = (fb.kv_caches, self._build_stack(fb, x.dtype, head))
+        return self._stack_for(fb.ops, fb.kv_caches, x.dtype, head)
+
+    def greedy_stack(
+        self, ops: Ops, kv_caches: KVCaches, cos_sin: torch.Tensor, head: ParallelLMHead
+    ) -> Any | None:
+        """The decode stack with the embedding's rows set (`DecodeStack.greedy_step`: a greedy
+        decode step from the ids to the LM head's argmax, in which every row samples), or None
+        where such a step takes another path: `_decode_stack`'s conditions that do not depend on
+        the step, an embedding the stack cannot look up (tensor parallelism, a quantized tied
+        head), pipeline stages, a head without argmax tiles."""
+        lookup = None if self.embed_tokens is None else self.embed_tokens.stack_lookup()
+        if (
+            lookup is None
+            or self.norm is None
+            or not self.use_decode_stack
+            or ops.decode_stack is None
+            or cos_sin.dtype is not torch.float32
+        ):
+            return None
+        weight, tiled = lookup
+        # the lookup's rows: embed_rows widens float16 tiles to float32
+        dtype = torch.float32 if tiled and weight.dtype is torch.float16 else weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        stack = self._stack_for(ops, kv_caches, dtype, head)
+        if stack is None or not self._stack_argmax:
+            return None
+        stack.set_embedding(weight, tiled)
+        return stack
+
+    def _stack_for(
+        self, ops: Ops, kv_caches: KVCaches, dtype: torch.dtype, head: ParallelLMHead | None
+    ) -> Any | None:
+        """The stack for these caches (built on first use), or None where the layers cannot run in one."""
+        if self._stack is None or self._stack[0] is not kv_caches:
+            self._stack = (kv_caches, self._build_stack(ops, kv_caches, dtype, head))
         return self._stack[1]
 
-    def _build_stack(self, fb: ForwardBatch, dtype: torch.dtype, head: ParallelLMHead | None) -> Any | None:
-        assert fb.ops.decode_stack is not None
+    def _build_stack(
+        self, ops: Ops, kv_caches: KVCaches, dtype: torch.dtype, head: ParallelLMHead | None
+    ) -> Any | None:
+        assert ops.decode_stack is not None
         if self.parallel.tp_size != 1 or not self.held_layers:
             return None
         first, eps = self.held_layers[0].self_attn, self.held_layers[0].input_layernorm.eps
-        stack = fb.ops.decode_stack(first.num_heads, first.num_kv_heads, first.scale, eps)
+        stack = ops.decode_stack(first.num_heads, first.num_kv_heads, first.scale, eps)
         for layer in self.held_layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             mms = [lin.native_mm for lin in linears]
-            k_cache, v_cache = fb.kv_caches[attn.layer_idx]
+            k_cache, v_cache = kv_caches[attn.layer_idx]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if (
                 attn.q_norm is not None
@@ -318,6 +355,33 @@ class LlamaForCausalLM(nn.Module):
             fused, shard = _FUSED[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return name, None
+
+    def greedy_decoder(self, ops: Ops, kv_caches: KVCaches) -> GreedyDecoder | None:
+        """A greedy decode step in one native call, for steps in which every row samples and
+        every sampling row is plain greedy (what `forward` of a `fb.greedy` decode step returns,
+        the same ops in the same order: the same ids); None where this model's steps take
+        `forward`'s path."""
+        if self.lm_head is None:
+            return None
+        stack = self.model.greedy_stack(ops, kv_caches, self.cos_sin_cache, self.lm_head)
+        if stack is None:
+            return None
+        cos_sin = self.cos_sin_cache
+
+        def step(
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            slot_mapping: torch.Tensor,
+            block_table: torch.Tensor,
+            rows: torch.Tensor,
+            seq_lens: torch.Tensor,
+            query_start_loc: torch.Tensor,
+        ) -> torch.Tensor:
+            return stack.greedy_step(  # type: ignore[no-any-return]
+                input_ids, positions, cos_sin, slot_mapping, block_table, rows, seq_lens, query_start_loc
+            )
+
+        return step
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
