@@ -619,8 +619,9 @@ class ModelRunner:
         or None: eager steps only, no fp8 scales (see LlamaForCausalLM.greedy_decoder)."""
         if self._decoder is None or self._decoder[0] is not self.kv_caches:
             build = getattr(self.model, "greedy_decoder", None)
-            ok = build is not None and self.graphs is None and self.kv_scales is None
-            self._decoder = (self.kv_caches, build(self.ops, self.kv_caches) if ok else None)
+            ok = self.graphs is None and self.kv_scales is None
+            decoder = build(self.ops, self.kv_caches) if ok and build is not None else None
+            self._decoder = (self.kv_caches, decoder)
         return self._decoder[1]
 
     def prompt_logits(

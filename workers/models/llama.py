@@ -316,6 +316,8 @@ class Model(DirectCall):
 
 
 class LlamaForCausalLM(nn.Module):
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -363,10 +365,10 @@ class LlamaForCausalLM(nn.Module):
         `forward`'s path."""
         if self.lm_head is None:
             return None
-        stack = self.model.greedy_stack(ops, kv_caches, self.cos_sin_cache, self.lm_head)
+        cos_sin = self.cos_sin_cache
+        stack = self.model.greedy_stack(ops, kv_caches, cos_sin, self.lm_head)
         if stack is None:
             return None
-        cos_sin = self.cos_sin_cache
 
         def step(
             input_ids: torch.Tensor,
@@ -377,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
             seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor,
         ) -> torch.Tensor:
-            return stack.greedy_step(  # type: ignore[no-any-return]
+            return stack.greedy_step(  # type: ignore[no-any-return,unused-ignore]
                 input_ids, positions, cos_sin, slot_mapping, block_table, rows, seq_lens, query_start_loc
             )
 
