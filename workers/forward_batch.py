@@ -13,10 +13,10 @@ from pagebus.workers.ops import Ops
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # A model's whole greedy decode step (LlamaForCausalLM.greedy_decoder): (input_ids, positions,
 # slot_mapping, the persistent block table, the step's rows of it, seq_lens, query_start_loc) ->
-# each row's next token id, int64.
+# each row's next token id.
 GreedyDecoder = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    torch.Tensor,
+    list[int],
 ]
 
 

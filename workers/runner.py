@@ -472,6 +472,11 @@ class ModelRunner:
             for seq_id, drafts in self._drafts.items():
                 self.seqs[seq_id].token_ids.extend(drafts)  # verified below, then cut back
         step = self._prepare(scheduled)
+        ids = self._greedy_step(step)
+        if ids is not None:
+            for seq_id, tok in zip(step.sampling, ids, strict=True):
+                self.seqs[seq_id].token_ids.append(tok)
+            return BatchResult(step_id=batch.step_id, seq_ids=step.sampling, token_ids=ids)
         logits = self._run(step)
         if self.tokens_from_plan and not self.parallel.layout.is_last_stage:
             # Activations went on to the next stage; the tokens come with a later step's plan, so
@@ -590,14 +595,6 @@ class ModelRunner:
     def _run(self, step: _Step) -> torch.Tensor:
         """Logits [num_sampling, vocab] float32, on the device; or, for a step.greedy step where
         the model computes them without the logits, the argmax ids int64 [num_sampling]."""
-        if step.greedy and step.meta.max_query_len == 1 and len(step.sampling) == step.num_seqs:
-            decoder = self._greedy_decoder()  # every row samples: one call from ids to ids
-            if decoder is not None:
-                t = step.tensors
-                return decoder(
-                    t.input_ids, t.positions, t.slot_mapping, self.inputs.block_table, t.rows,
-                    t.seq_lens, t.query_start_loc,
-                )  # fmt: skip
         if step.graph_size is None:
             return self.model(
                 self._forward_batch(
@@ -613,6 +610,21 @@ class ModelRunner:
         if step.every_row_samples:
             return out[: step.num_seqs]
         return out.index_select(0, step.tensors.logits_indices)
+
+    def _greedy_step(self, step: _Step) -> list[int] | None:
+        """The next ids of a plain-greedy decode step in which every row samples, from the
+        model's greedy decoder (one native call from the ids to the ids); None where the step
+        takes `_run`."""
+        if not step.greedy or step.meta.max_query_len != 1 or len(step.sampling) != step.num_seqs:
+            return None
+        decoder = self._greedy_decoder()
+        if decoder is None:
+            return None
+        t = step.tensors
+        return decoder(
+            t.input_ids, t.positions, t.slot_mapping, self.inputs.block_table, t.rows, t.seq_lens,
+            t.query_start_loc,
+        )  # fmt: skip
 
     def _greedy_decoder(self) -> GreedyDecoder | None:
         """The model's whole greedy decode step for this runner's caches (built on first use),

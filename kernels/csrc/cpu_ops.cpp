@@ -3151,14 +3151,17 @@ class DecodeStack {
   // block table, in one call from the runner (workers/runner.py _run). The model's Python around
   // the stack (module calls, inference mode, the embedding's and the table's gathers) took ~0.25
   // ms of a single-stream step, on code and data the weight stream had flushed.
-  torch::Tensor greedy_step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor slots,
-                            torch::Tensor table, torch::Tensor rows, torch::Tensor seq_lens,
-                            torch::Tensor query_start_loc) {
+  // The ids come back as a list (no tensor to wrap and read back from Python).
+  std::vector<int64_t> greedy_step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_sin,
+                                   torch::Tensor slots, torch::Tensor table, torch::Tensor rows, torch::Tensor seq_lens,
+                                   torch::Tensor query_start_loc) {
     TORCH_CHECK(embed_.defined(), "DecodeStack.greedy_step: no set_embedding");
     c10::InferenceMode guard;
     auto x = embed_tiled_ ? embed_rows(embed_, ids) : embed_.index_select(0, ids);
-    return run(x, c10::nullopt, positions, cos_sin, slots, table.index_select(0, rows), seq_lens, query_start_loc,
-               2)[0];
+    const auto out = run(x, c10::nullopt, positions, cos_sin, slots, table.index_select(0, rows), seq_lens,
+                         query_start_loc, 2)[0];
+    const int64_t* p = out.data_ptr<int64_t>();
+    return std::vector<int64_t>(p, p + out.numel());
   }
 
   // What greedy_step looks the ids up in: pack_tiles' column tiles of a tied head (embed_rows) or

@@ -378,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
             rows: torch.Tensor,
             seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor,
-        ) -> torch.Tensor:
+        ) -> list[int]:
             return stack.greedy_step(  # type: ignore[no-any-return,unused-ignore]
                 input_ids, positions, cos_sin, slot_mapping, block_table, rows, seq_lens, query_start_loc
             )
