@@ -84,6 +84,7 @@ class InputBuffers:
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._delta_index: list[int] = []
         self._delta_block: list[int] = []
+        self._decode_views: dict[int, StepTensors] = {}  # views(t, t, t), by t
 
     # ------------------------------------------------------------------ block-table rows
     def assign_row(self) -> int:
@@ -147,7 +148,17 @@ class InputBuffers:
 
     def views(self, t: int, s: int, n_logits: int) -> StepTensors:
         """The device views of a step of t tokens, s sequences and n_logits sampling rows: the
-        same addresses for the same sizes, which is what a CUDA graph replays against."""
+        same addresses for the same sizes, which is what a CUDA graph replays against. A decode
+        step's (t == s == n_logits: at most max_seqs of them) are kept: the seven slices took
+        ~40 us of a single-stream step, on code the weight stream had flushed."""
+        if t == s == n_logits:
+            kept = self._decode_views.get(t)
+            if kept is None:
+                kept = self._decode_views[t] = self._views(t, s, n_logits)
+            return kept
+        return self._views(t, s, n_logits)
+
+    def _views(self, t: int, s: int, n_logits: int) -> StepTensors:
         lay = _Layout(t, s, n_logits)
         d64, d32 = self.dev64, self.dev32
         return StepTensors(

@@ -180,3 +180,21 @@ def test_cuda_graph_options_are_inert_on_cpu(tmp_path, caplog) -> None:
         runner = _tiny_runner(tmp_path, enforce_eager=True, cuda_graph_sizes=[1, 2])
     assert runner.graphs is None
     assert "not applicable" in caplog.text
+
+
+def test_decode_step_views_are_kept_and_show_each_load() -> None:
+    """A decode step's views (t == s == n_logits) are made once per size and read what each
+    load wrote; other steps' are made afresh at the same addresses."""
+    from pagebus.workers.input_batch import InputBuffers
+
+    inputs = InputBuffers(max_seqs=4, max_tokens=32, max_blocks_per_seq=8, device=torch.device("cpu"))
+    first = inputs.load([7, 8], [3, 5], [19, 37], [0, 1], [4, 6], [0, 1, 2], [0, 1])
+    second = inputs.load([9, 10], [4, 6], [20, 38], [1, 0], [5, 7], [0, 1, 2], [0, 1])
+    assert second is first  # kept
+    assert second.input_ids.tolist() == [9, 10] and second.positions.tolist() == [4, 6]
+    assert second.slot_mapping.tolist() == [20, 38] and second.rows.tolist() == [1, 0]
+    assert second.seq_lens.tolist() == [5, 7] and second.query_start_loc.tolist() == [0, 1, 2]
+    prefill = inputs.load([1, 2, 3], [0, 1, 2], [0, 1, 2], [2], [3], [0, 3], [2])
+    again = inputs.load([1, 2, 3], [0, 1, 2], [0, 1, 2], [2], [3], [0, 3], [2])
+    assert again is not prefill and again.input_ids.data_ptr() == prefill.input_ids.data_ptr()
+    assert again.logits_indices.tolist() == [2]
