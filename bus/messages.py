@@ -310,6 +310,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True, tag="gen", tag_
     arrival_time: float = 0.0
     echo: bool = False  # return the prompt text in the first delta (completions `echo`)
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
+    # The frontend reads only each sample's whole text (LLM.generate, LLM.chat): a sample without
+    # stop strings is then detokenized once, when it ends, not a piece every step.
+    final_only: bool = False
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, frozen=True, tag="tok", tag_field="t"):

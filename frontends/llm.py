@@ -72,7 +72,7 @@ class LLM:
             batch = list(cast(Sequence[PromptType], prompts))
         params = self._params_list(sampling_params, len(batch))
         ids = [
-            self._add(*self._request(prompt, p, priority[i] if priority else 0))
+            self._add(*self._request(prompt, p, priority[i] if priority else 0, final_only=True))
             for i, (prompt, p) in enumerate(zip(batch, params, strict=True))
         ]
         return self._run(ids, use_tqdm)
@@ -100,6 +100,7 @@ class LLM:
                     arrival_time=time.time(),
                     tools=tools,
                     echo=True,  # the first delta brings the templated prompt: RequestOutput.prompt
+                    final_only=True,
                 ),
             )
             for c, p in zip(convs, params, strict=True)
@@ -152,21 +153,24 @@ class LLM:
         return params
 
     def _request(
-        self, prompt: PromptType, params: SamplingParams, priority: int
+        self, prompt: PromptType, params: SamplingParams, priority: int, final_only: bool = False
     ) -> tuple[str | None, GenerateRequest]:
         """(prompt text if known, the request). Text is tokenized by the engine; token ids (a
-        list, or a dict's, whose "prompt" is kept as the text) pass as they are."""
+        list, or a dict's, whose "prompt" is kept as the text) pass as they are. final_only:
+        only the finished output is read (generate), not the text deltas of each step."""
         rid, now = str(next(self._ids)), time.time()
         if isinstance(prompt, str):
             req = GenerateRequest(
-                request_id=rid, params=params, prompt=prompt, priority=priority, arrival_time=now
-            )
+                request_id=rid, params=params, prompt=prompt, priority=priority, arrival_time=now,
+                final_only=final_only,
+            )  # fmt: skip
             return prompt, req
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt)
         req = GenerateRequest(
-            request_id=rid, params=params, prompt_token_ids=ids, priority=priority, arrival_time=now
-        )
+            request_id=rid, params=params, prompt_token_ids=ids, priority=priority, arrival_time=now,
+            final_only=final_only,
+        )  # fmt: skip
         return text, req
 
     def _add(self, text: str | None, req: GenerateRequest) -> str:

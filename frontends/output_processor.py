@@ -59,9 +59,11 @@ class OutputProcessor:
         prompt_ids: list[int],
         params: SamplingParams,
         echo: bool = False,
+        final_only: bool = False,
     ) -> None:
+        """final_only: the caller reads only each sample's whole text (IncrementalDetokenizer)."""
         detoks = (
-            [IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
+            [IncrementalDetokenizer(self.tokenizer, prompt_ids, params, final_only) for _ in range(params.n)]
             if self.tokenizer is not None
             else []
         )

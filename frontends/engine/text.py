@@ -50,7 +50,7 @@ class TextProcessor:
             return RequestDelta(
                 req.request_id, [], finished=True, error=str(e), error_kind=ErrorKind.INVALID_REQUEST
             )
-        self.outputs.add(req.request_id, text, ids, req.params, req.echo)
+        self.outputs.add(req.request_id, text, ids, req.params, req.echo, req.final_only)
         return AddRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,

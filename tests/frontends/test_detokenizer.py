@@ -211,3 +211,36 @@ def test_stop_strings_random(
     assert text.startswith(body + stop)  # a genuine match, truncated at its start
     assert not include or out.endswith(stop)
     assert not any(s in body for s in stops)  # no earlier match was missed
+
+
+@HYP
+@given(
+    prompt=st.lists(st.integers(0, 49151), max_size=6),
+    ids=st.lists(st.integers(0, 49151), max_size=40),
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    skip=st.booleans(),
+)
+def test_final_only_text_is_the_streamed_text(
+    tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list[int], skip: bool
+) -> None:
+    """A final_only sample without stop strings shows nothing until flush, then the text the
+    streamed deltas join to."""
+    streamed, parts = stream(tok, ids, chunks, prompt, skip_special_tokens=skip)
+    d = IncrementalDetokenizer(tok, prompt, SamplingParams(skip_special_tokens=skip), final_only=True)
+    i = k = 0
+    while i < len(ids):
+        n = chunks[k % len(chunks)]
+        assert d.push(ids[i : i + n]) == DetokResult("", None, False)
+        i, k = i + n, k + 1
+    assert d.text == ""
+    last = d.flush()
+    assert last.text_delta == joined(parts) == streamed.text == d.text
+
+
+def test_final_only_with_stop_strings_still_streams(tok: Tokenizer) -> None:
+    """Stop strings need the text as it grows: final_only changes nothing there."""
+    ids = tok.encode("Hello there. General Kenobi!", add_special_tokens=False)
+    params = SamplingParams(stop=["General"])
+    d = IncrementalDetokenizer(tok, PROMPT, params, final_only=True)
+    texts = [d.push([t]).text_delta for t in ids if not d.finished]
+    assert d.finished and "".join(texts) == "Hello there. "
