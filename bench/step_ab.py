@@ -28,10 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pagebus import LLM, SamplingParams
+from pagebus.bus.messages import SamplingParams
+from pagebus.frontends.llm import LLM
 from pagebus.workers.models import llama
 
-from bench.common import cpu_flags, emit, git_sha, log, setup_logging
+from bench.common import cpu_flags, emit, log, setup_logging
 
 Toggle = Callable[[bool], None]
 
@@ -122,7 +123,6 @@ def main() -> None:
     emit(
         {
             "bench": "step_ab",
-            "sha": git_sha(),
             "cpu_flags": flags,
             "torch_threads": torch.get_num_threads(),
             "dtype": dtype,
