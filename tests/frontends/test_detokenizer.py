@@ -15,6 +15,13 @@ from pagebus.frontends.tokenizer import Tokenizer
 from tests.frontends.tokenizer_fixtures import shared_tokenizer_dir
 
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# a prompt's tail, output ids, the sizes they are pushed in (cycled), skip_special_tokens
+RANDOM_STREAMS = given(
+    prompt=st.lists(st.integers(0, 49151), max_size=6),
+    ids=st.lists(st.integers(0, 49151), max_size=40),
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    skip=st.booleans(),
+)
 PROMPT = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]  # a chat-formatted prompt's tail
 
 
@@ -62,12 +69,7 @@ def check_stream(tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list
 
 
 @HYP
-@given(
-    prompt=st.lists(st.integers(0, 49151), max_size=6),
-    ids=st.lists(st.integers(0, 49151), max_size=40),
-    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=5),
-    skip=st.booleans(),
-)
+@RANDOM_STREAMS
 def test_random_ids_equal_full_decode(
     tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list[int], skip: bool
 ) -> None:
@@ -214,12 +216,7 @@ def test_stop_strings_random(
 
 
 @HYP
-@given(
-    prompt=st.lists(st.integers(0, 49151), max_size=6),
-    ids=st.lists(st.integers(0, 49151), max_size=40),
-    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=5),
-    skip=st.booleans(),
-)
+@RANDOM_STREAMS
 def test_final_only_text_is_the_streamed_text(
     tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list[int], skip: bool
 ) -> None:
