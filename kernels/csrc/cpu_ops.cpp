@@ -3148,7 +3148,7 @@ class DecodeStack {
 
   // A greedy decode step from the token ids to their next ones: the embedding's rows (set_embedding),
   // the layers, the final norm and the head's argmax, and the step's rows of the persistent
-  // block table, in one call from the runner (workers/runner.py _run). The model's Python around
+  // block table, in one call from the runner (workers/runner.py _greedy_step). The model's Python around
   // the stack (module calls, inference mode, the embedding's and the table's gathers) took ~0.25
   // ms of a single-stream step, on code and data the weight stream had flushed.
   // The ids come back as a list (no tensor to wrap and read back from Python).

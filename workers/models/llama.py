@@ -156,7 +156,8 @@ class Model(DirectCall):
         # more than the rest of the loop.
         self.__dict__["held_layers"] = [self.layers[i] for i in self.held]
         self._stack: tuple[object, Any] | None = None  # (the caches it was built for, the stack or None)
-        self._stack_argmax = False  # the stack holds the LM head's tiles (see _stack_tail)
+        # the stack holds the final norm, and the LM head's tiles too (see _stack_tail)
+        self._stack_final = self._stack_argmax = False
 
     def forward(
         self, fb: ForwardBatch, cos_sin: torch.Tensor, head: ParallelLMHead | None = None
@@ -221,7 +222,7 @@ class Model(DirectCall):
         hidden states and residual), 1 the final norm, 2 that and the LM head's argmax (a greedy
         step, where the stack holds the head). Only where every row samples, as in a decode
         step: `logits_indices` is then every row in order, so no rows are picked."""
-        if stack is None or self.norm is None or fb.logits_indices.shape[0] != x.shape[0]:
+        if stack is None or not self._stack_final or fb.logits_indices.shape[0] != x.shape[0]:
             return 0
         return 2 if fb.greedy and self._stack_argmax else 1
 
@@ -308,9 +309,10 @@ class Model(DirectCall):
             stack.add_layer(
                 *norms, [mm[0] for mm in mms if mm], [mm[1] for mm in mms if mm], k_cache, v_cache
             )
-        head_tiles = None if head is None else head.argmax_weight(dtype)
+        self._stack_final = self.norm is not None and self.norm.weight.dtype is dtype
+        head_tiles = head.argmax_weight(dtype) if head is not None and self._stack_final else None
         self._stack_argmax = head_tiles is not None
-        if self.norm is not None and self.norm.weight.dtype is dtype:
+        if self.norm is not None and self._stack_final:
             stack.set_final(self.norm.weight, self.norm.eps, head_tiles)
         return stack
 
