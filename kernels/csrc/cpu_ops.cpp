@@ -2398,23 +2398,25 @@ static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const W* __re
     for (int v = 0; v < kTileVecs; ++v) S::store(y + r * ldy + kLanes * v, acc[r][v]);
 }
 
-// How far ahead of its loads one_tile asks for its stream's lines. The tiles a thread runs
-// follow one another in memory (for_each_run), so near a tile's end this fetches the next one's
-// start. Zen 3 (AVX2), float16 weights, single-stream decode step against none: 512 B 0.90-0.94x,
-// 1 KiB 0.87-0.90x, 2 KiB 0.95x (the hardware prefetcher alone restarts at every 4 KiB page).
-// An AVX-512 step reads 3x the columns (6x the bytes in bf16), so the same distance is a third
-// of the steps ahead: Zen 4, bf16, single-stream decode with 4 KiB against 1 KiB 1.14x and 1.11x
-// where an identical build read 1.05x and 1.08x (bench/kernel_ab.py, 10 and 16 rounds); 512 B
-// and 2 KiB 1.08x and 1.09x in the first.
+// How far ahead of its loads one_tile asks for its stream's lines (0: it does not; the hardware
+// prefetcher alone). The tiles a thread runs follow one another in memory (for_each_run), so near
+// a tile's end this fetches the next one's start. Zen 3 (AVX2), float16 weights in 4 KiB pages,
+// single-stream decode step against none: 512 B 0.90-0.94x, 1 KiB 0.87-0.90x, 2 KiB 0.95x (the
+// hardware prefetcher restarted at every 4 KiB page). AVX-512 builds ask for none since the weights
+// sit in 2 MiB pages (workers/host_memory.py): Zen 4, bf16, the step's 121 GEMVs against 4 KiB
+// ahead 0.95x the time where the memory read ~32 GB/s and 0.93x where it read ~55 (0.976 / 0.91 of
+// a plain read of the same bytes, from 0.94 / 0.84), float32 0.96x / 0.92x; single-stream engine
+// steps, the two paths alternating step by step, 1.02-1.04x as fast, 4 rows 1.03x. (An AVX2 build
+// on that Zen 4, float16 tiles: 0.87x the time without; not measured on Zen 3 since the huge pages.)
 #ifdef __AVX512F__
-constexpr int64_t kStreamAhead = 4096;
+constexpr int64_t kStreamAhead = 0;
 #else
 constexpr int64_t kStreamAhead = 1024;
 #endif
 
 // Up to kFewRows rows of x against one tile, for the GEMV-like calls (decode of one or a few
 // sequences) that wait on DRAM, not on FMAs. A thread's tiles follow one another in memory
-// (for_each_run), so its whole share is one stream, each line asked for kStreamAhead ahead.
+// (for_each_run), so its whole share is one stream (on AVX2 each line asked for kStreamAhead ahead).
 // Pairs of tiles half a matrix apart (two streams a thread, as before) read slower: a plain read
 // of the default model's 121 weight regions, Zen 4, two threads, 0.91-0.92 of the time with one
 // stream a thread. Its 121 matmuls in step order (bench/matmul_ab.py, 24 rounds), the pairs'
@@ -2429,10 +2431,11 @@ static inline void one_tile(const T* __restrict__ x, int64_t ldx, const W* __res
   vf acc[MR][kTileVecs];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
-  const char* ahead = reinterpret_cast<const char*>(w) + kStreamAhead;
   for (int64_t s = 0; s < steps; ++s) {
     // the lines this step's bytes reach, kStreamAhead on (one every 64 / SB steps when SB < 64)
-    for (int64_t b = (s * SB + 63) / 64 * 64; b < (s + 1) * SB; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    if constexpr (kStreamAhead > 0)
+      for (int64_t b = (s * SB + 63) / 64 * 64; b < (s + 1) * SB; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kStreamAhead + b, _MM_HINT_T0);
     vf wv[kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) wv[v] = S::load(w + s * E + v * (E / kTileVecs));
     for (int r = 0; r < MR; ++r) {
