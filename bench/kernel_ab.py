@@ -72,9 +72,10 @@ def build(name: str, source: Path) -> Any:
     text = source.read_bytes()
     digest = hashlib.sha256(cpu_native.build_digest().encode() + text).hexdigest()[:10]
     # torch's loader wants the source in the build directory's own place: a copy per build
-    copy = Path(cpu_native.build_directory_for(f"pagebus_cpu_ops_ab_{name}_{digest}")) / "cpu_ops.cpp"
-    if not copy.exists() or copy.read_bytes() != text:
-        copy.write_bytes(text)
+    with cpu_native.build_directory_for(f"pagebus_cpu_ops_ab_{name}_{digest}") as directory:
+        copy = Path(directory) / "cpu_ops.cpp"
+        if not copy.exists() or copy.read_bytes() != text:
+            copy.write_bytes(text)
     log.info("building %s from %s (1-2 min unless cached)", name, source)
     return cpu_native.load_build(copy.parent.name, copy)
 

@@ -24,12 +24,12 @@ torch backend with a warning that says why.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -109,26 +109,27 @@ def build_digest() -> str:
     return hashlib.sha256(key).hexdigest()[:12]
 
 
-# A build takes 1-2 min on 2 cores; a lock older than this was left by a killed build, and
-# torch's loader would wait on it forever.
-_STALE_LOCK_S = 15 * 60
-
-
-def build_directory_for(name: str) -> str:
-    """torch's extension cache directory for `name`, cleared of a stale lock."""
+@contextlib.contextmanager
+def build_directory_for(name: str) -> Iterator[str]:
+    """torch's extension cache directory for `name`, held for one build: a killed build leaves
+    torch's `lock` file there, and torch's loader waits on one forever (an interrupted `make
+    setup` hung the next one). Builds take an flock on a file beside it, which the kernel drops
+    when its holder dies, so whoever holds the flock knows a `lock` inside is stale."""
     from torch.utils.cpp_extension import get_default_build_root
 
     d = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     d.mkdir(parents=True, exist_ok=True)
-    lock = d / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return str(d)
-    if age > _STALE_LOCK_S:
-        log.warning("removing %s, left %.0f min ago by a build that did not finish", lock, age / 60)
-        lock.unlink(missing_ok=True)
-    return str(d)
+    with open(d / "pagebus-build.flock", "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of %s", name)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = d / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield str(d)
 
 
 def load_build(name: str, source: Path) -> Any:
@@ -136,16 +137,17 @@ def load_build(name: str, source: Path) -> Any:
     under that name; raises when the machine cannot build it (no compiler, no ninja)."""
     from torch.utils.cpp_extension import load
 
-    return load(
-        name=name,
-        sources=[str(source)],
-        build_directory=build_directory_for(name),
-        # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without
-        # the flag it compiles to a serial one.
-        extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        verbose=os.environ.get("PAGEBUS_VERBOSE_BUILD") == "1",
-    )
+    with build_directory_for(name) as build_directory:
+        return load(
+            name=name,
+            sources=[str(source)],
+            build_directory=build_directory,
+            # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP loop; without
+            # the flag it compiles to a serial one.
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=os.environ.get("PAGEBUS_VERBOSE_BUILD") == "1",
+        )
 
 
 @functools.cache

@@ -371,24 +371,52 @@ def test_backend_falls_back_to_torch_when_not_built(monkeypatch, caplog) -> None
     assert select_ops("auto", torch.device("cpu")).name == "cpu"
 
 
-def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(monkeypatch, tmp_path, caplog) -> None:
+def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(monkeypatch, tmp_path, caplog) -> None:
     """torch's loader waits forever on a lock file: one a killed build left must not hang the
-    next start, and one a running build holds must stay."""
-    import os
+    next start (even at once), and a build another process runs must be waited for, its lock kept."""
+    import threading
     import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "ext" / "lock"
     lock.parent.mkdir()
-    lock.touch()
-    assert native.build_directory_for("ext") == str(lock.parent)
-    assert lock.exists()
-    old = time.time() - native._STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING):
-        native.build_directory_for("ext")
-    assert not lock.exists()
+    lock.touch()  # what a build killed a moment ago leaves
+    with caplog.at_level(logging.INFO), native.build_directory_for("ext") as d:
+        assert d == str(lock.parent)
+        assert not lock.exists()
     assert "did not finish" in caplog.text
+
+    lock.touch()  # now a live build's: another process holds the build's flock
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); sys.stdin.readline()", str(lock.parent / "pagebus-build.flock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held"
+        caplog.clear()
+        entered = threading.Event()
+
+        def build() -> None:
+            with native.build_directory_for("ext"):
+                entered.set()
+
+        t = threading.Thread(target=build)
+        with caplog.at_level(logging.INFO):
+            t.start()
+            deadline = time.monotonic() + 60
+            while "waiting for another process's build" not in caplog.text:
+                assert time.monotonic() < deadline and t.is_alive()
+                time.sleep(0.01)
+            assert lock.exists() and not entered.is_set()
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            t.join(60)
+        assert entered.is_set() and not lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=F16_TILES)])

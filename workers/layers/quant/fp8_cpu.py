@@ -128,18 +128,21 @@ torch::Tensor fp8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
 @functools.cache
 def _ops() -> Any | None:
     """The compiled module, or None (warned once) when it cannot be built."""
+    from pagebus.kernels.cpu_native import build_directory_for
     from torch.utils.cpp_extension import load_inline
 
     os.environ.setdefault("MAX_JOBS", "2")
     try:  # torch caches the build per machine and source
-        return load_inline(
-            name="pagebus_fp8_cpu",
-            cpp_sources=_SOURCE,
-            functions=["fp8_mm"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with build_directory_for("pagebus_fp8_cpu") as build_directory:
+            return load_inline(
+                name="pagebus_fp8_cpu",
+                cpp_sources=_SOURCE,
+                functions=["fp8_mm"],
+                build_directory=build_directory,
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:
         log.warning(
             "building the fp8 CPU kernel failed (%s: %s; it needs g++ and ninja): fp8 matmuls "
