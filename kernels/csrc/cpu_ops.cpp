@@ -2402,10 +2402,10 @@ static inline void tile_rows(const T* __restrict__ x, int64_t ldx, const W* __re
 // prefetcher alone). The tiles a thread runs follow one another in memory (for_each_run), so near
 // a tile's end this fetches the next one's start. Zen 3 (AVX2), float16 weights in 4 KiB pages,
 // single-stream decode step against none: 512 B 0.90-0.94x, 1 KiB 0.87-0.90x, 2 KiB 0.95x (the
-// hardware prefetcher restarted at every 4 KiB page). AVX-512 builds ask for none since the weights
-// sit in 2 MiB pages (workers/host_memory.py): Zen 4, bf16, the step's 121 GEMVs against 4 KiB
-// ahead 0.95x the time where the memory read ~32 GB/s and 0.93x where it read ~55 (0.976 / 0.91 of
-// a plain read of the same bytes, from 0.94 / 0.84), float32 0.96x / 0.92x; single-stream engine
+// hardware prefetcher restarted at every 4 KiB page). AVX-512 builds ask for none: Zen 4, bf16,
+// the step's 121 GEMVs in 2 MiB pages (workers/host_memory.py) against 4 KiB ahead 0.95x the time
+// where the memory read ~32 GB/s and 0.93x where it read ~55 (0.976 / 0.91 of a plain read of the
+// same bytes, from 0.94 / 0.84), float32 0.96x / 0.92x, in 4 KiB pages 0.95x; single-stream engine
 // steps, the two paths alternating step by step, 1.02-1.04x as fast, 4 rows 1.03x. (An AVX2 build
 // on that Zen 4, float16 tiles: 0.87x the time without; not measured on Zen 3 since the huge pages.)
 #ifdef __AVX512F__
