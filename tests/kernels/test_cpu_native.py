@@ -375,7 +375,6 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(monkeypatch
     """torch's loader waits forever on a lock file: one a killed build left must not hang the
     next start (even at once), and a build another process runs must be waited for, its lock kept."""
     import threading
-    import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "ext" / "lock"
@@ -395,24 +394,30 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(monkeypatch
     try:
         assert holder.stdout is not None and holder.stdin is not None
         assert holder.stdout.readline().strip() == "held"
-        caplog.clear()
-        entered = threading.Event()
+        waiting, entered = threading.Event(), threading.Event()
+
+        class Seen(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "waiting for another process's build" in record.getMessage():
+                    waiting.set()
 
         def build() -> None:
             with native.build_directory_for("ext"):
                 entered.set()
 
+        seen = Seen(logging.INFO)
+        native.log.addHandler(seen)
         t = threading.Thread(target=build)
-        with caplog.at_level(logging.INFO):
-            t.start()
-            deadline = time.monotonic() + 60
-            while "waiting for another process's build" not in caplog.text:
-                assert time.monotonic() < deadline and t.is_alive()
-                time.sleep(0.01)
-            assert lock.exists() and not entered.is_set()
-            holder.stdin.write("\n")
-            holder.stdin.flush()
-            t.join(60)
+        try:
+            with caplog.at_level(logging.INFO):
+                t.start()
+                assert waiting.wait(60), "the second build did not wait for the first"
+                assert lock.exists() and not entered.is_set()
+                holder.stdin.write("\n")
+                holder.stdin.flush()
+                t.join(60)
+        finally:
+            native.log.removeHandler(seen)
         assert entered.is_set() and not lock.exists()
     finally:
         holder.kill()
