@@ -225,6 +225,25 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     return native_ops().argmax_rows(logits)
 
 
+def race_candidate_ids(
+    x: torch.Tensor,
+    key_mul: torch.Tensor,
+    key_add: torch.Tensor,
+    cutoff: torch.Tensor,
+    log_e: torch.Tensor,
+    max_candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids [rows, max_candidates], counts [rows]) of the ids that can win each row's exponential
+    race (csrc race_candidates; a count of -1: the row races over all of it), or None where the
+    compiled ops do not take x (float32 [rows, vocab] CPU logits with contiguous rows)."""
+    if x.dtype is not torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+        return None
+    if available() is not None:
+        return None
+    ids, counts = native_ops().race_candidates(x, key_mul, key_add, cutoff, log_e, max_candidates)
+    return ids, counts
+
+
 def argmax_tiles_take(dtype: torch.dtype, tiles: torch.Tensor) -> bool:
     """Whether argmax_tiles takes activations of `dtype` with these tiles (float16 tiles widen
     to float32 activations; the others take their own dtype), the compiled ops being there."""

@@ -2888,6 +2888,140 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// The exponential race's candidates (workers/sampling.py): for each row of x [R, V] (logits over
+// temperature), the ids that can still win argmax(x - log E) over the kept ids (x >= cutoff),
+// where log E is a decreasing function of a 32-bit hash h of (row key, id). `log_e` [4097] holds
+// log E at each 2^20-wide bucket's lower edge of h (the last: at h = 2^32 - 1), so an id in
+// bucket b scores within [x - log_e[b], x - log_e[b + 1]]. The winner scores at least L, the
+// largest lower bound; ids whose upper bound is below L cannot win. The bounds are widened by a
+// margin far above float32 rounding of the score and any ulp-level wobble of the log, so the
+// exact race over the candidates (in torch, with the same noise) picks the same id as over the
+// whole row. Returns (ids [R, max_candidates] int64 ascending, counts [R]); a row whose count is
+// -1 takes the whole-row race: it holds a NaN, or more candidates than fit.
+namespace race {
+inline uint32_t noise_hash(uint32_t id, uint32_t mul, uint32_t add) {  // sampling.hash32 + 2^31
+  uint32_t z = id * mul + add;
+  z ^= z >> 16;
+  z *= 0x7FEB352DU;
+  z ^= z >> 15;
+  z *= 0x846CA68BU;
+  z ^= z >> 16;
+  return z ^ 0x80000000U;
+}
+inline float margin(float x) { return 1e-4f + std::fabs(x) * 1e-6f; }
+
+// The bounds of ids i0..i0+lanes as vectors: where each id is kept (x >= cut, never a NaN), and
+// its score's lower (at = 0) or upper (at = 1) bound, from its hash's bucket b: log_e[b + at].
+#ifdef __AVX512F__
+constexpr int64_t kRaceLanes = 16;
+struct RaceVec {
+  __m512i mul, add, iota;
+  __m512 cut;
+  RaceVec(uint32_t m, uint32_t a, float c)
+      : mul(_mm512_set1_epi32(static_cast<int>(m))), add(_mm512_set1_epi32(static_cast<int>(a))),
+        iota(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), cut(_mm512_set1_ps(c)) {}
+  // bound (lower: at 0, upper: at 1) and the kept mask of 16 ids from i0; `nan` gathers NaN lanes
+  __m512 bound(const float* row, int64_t i0, const float* T, int at, __mmask16& kept, __mmask16& nan) const {
+    const __m512 x = _mm512_loadu_ps(row + i0);
+    __m512i z = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i0)), iota), mul), add);
+    z = _mm512_xor_si512(z, _mm512_srli_epi32(z, 16));
+    z = _mm512_mullo_epi32(z, _mm512_set1_epi32(0x7FEB352D));
+    z = _mm512_xor_si512(z, _mm512_srli_epi32(z, 15));
+    z = _mm512_mullo_epi32(z, _mm512_set1_epi32(static_cast<int>(0x846CA68BU)));
+    z = _mm512_xor_si512(z, _mm512_srli_epi32(z, 16));
+    const __m512i b = _mm512_add_epi32(_mm512_srli_epi32(_mm512_xor_si512(z, _mm512_set1_epi32(INT32_MIN)), 20), _mm512_set1_epi32(at));
+    const __m512 t = _mm512_i32gather_ps(b, T, 4);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    kept = _mm512_cmp_ps_mask(x, cut, _CMP_GE_OQ);
+    const __m512 m = _mm512_fmadd_ps(_mm512_abs_ps(x), _mm512_set1_ps(1e-6f), _mm512_set1_ps(1e-4f));
+    return at == 0 ? _mm512_sub_ps(_mm512_sub_ps(x, t), m) : _mm512_add_ps(_mm512_sub_ps(x, t), m);
+  }
+};
+#endif
+
+// L: the largest lower bound of a kept id's score; `nan` set where the row holds a NaN.
+float lower_bound(const float* row, int64_t V, uint32_t mul, uint32_t add, float cut, const float* T, bool& nan) {
+  float L = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  nan = false;
+#ifdef __AVX512F__
+  const RaceVec v(mul, add, cut);
+  __m512 best = _mm512_set1_ps(L);
+  __mmask16 nans = 0;
+  for (; i + kRaceLanes <= V; i += kRaceLanes) {
+    __mmask16 kept;
+    const __m512 lo = v.bound(row, i, T, 0, kept, nans);
+    best = _mm512_mask_max_ps(best, kept, best, lo);
+  }
+  L = _mm512_reduce_max_ps(best);
+  nan = nans != 0;
+#endif
+  for (; i < V; ++i) {
+    const float xi = row[i];
+    nan |= xi != xi;
+    if (xi >= cut) L = std::max(L, xi - T[noise_hash(static_cast<uint32_t>(i), mul, add) >> 20] - margin(xi));
+  }
+  return L;
+}
+
+// The kept ids whose upper bound reaches L into out (ascending); -1 past `cap` of them.
+int64_t collect(const float* row, int64_t V, uint32_t mul, uint32_t add, float cut, const float* T, float L,
+                int64_t* out, int64_t cap) {
+  int64_t n = 0, i = 0;
+#ifdef __AVX512F__
+  const RaceVec v(mul, add, cut);
+  const __m512 lv = _mm512_set1_ps(L);
+  __mmask16 nans = 0;
+  for (; i + kRaceLanes <= V; i += kRaceLanes) {
+    __mmask16 kept;
+    const __m512 hi = v.bound(row, i, T, 1, kept, nans);
+    for (uint32_t in = kept & _mm512_cmp_ps_mask(hi, lv, _CMP_GE_OQ); in; in &= in - 1) {
+      if (n == cap) return -1;
+      out[n++] = i + __builtin_ctz(in);
+    }
+  }
+#endif
+  for (; i < V; ++i) {
+    const float xi = row[i];
+    if (!(xi >= cut) || xi - T[(noise_hash(static_cast<uint32_t>(i), mul, add) >> 20) + 1] + margin(xi) < L) continue;
+    if (n == cap) return -1;
+    out[n++] = i;
+  }
+  return n;
+}
+}  // namespace race
+
+std::vector<torch::Tensor> race_candidates(torch::Tensor x, torch::Tensor key_mul, torch::Tensor key_add,
+                                           torch::Tensor cutoff, torch::Tensor log_e, int64_t max_candidates) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "race_candidates: float32 [rows, vocab] with contiguous rows");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V < (int64_t(1) << 31), "race_candidates: vocab ", V, " does not fit the int32 ids");
+  auto km = key_mul.reshape({-1}).contiguous(), ka = key_add.reshape({-1}).contiguous();
+  auto cut = cutoff.reshape({-1}).contiguous(), le = log_e.contiguous();
+  TORCH_CHECK(km.scalar_type() == torch::kInt32 && ka.scalar_type() == torch::kInt32 && km.numel() == R &&
+                  ka.numel() == R && cut.scalar_type() == torch::kFloat32 && cut.numel() == R &&
+                  le.scalar_type() == torch::kFloat32 && le.numel() == 4097 && max_candidates > 0,
+              "race_candidates: int32 keys, float32 cutoffs per row, float32 log_e [4097]");
+  auto ids = torch::zeros({R, max_candidates}, x.options().dtype(torch::kInt64));
+  auto counts = torch::empty({R}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  const int32_t *mp = km.data_ptr<int32_t>(), *ap = ka.data_ptr<int32_t>();
+  const float *cp = cut.data_ptr<float>(), *T = le.data_ptr<float>();
+  int64_t *ip = ids.data_ptr<int64_t>(), *np = counts.data_ptr<int64_t>();
+  const int64_t ls = x.stride(0);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * ls;
+      const uint32_t mul = static_cast<uint32_t>(mp[r]), add = static_cast<uint32_t>(ap[r]);
+      bool nan = false;
+      const float L = race::lower_bound(row, V, mul, add, cp[r], T, nan);
+      np[r] = nan ? -1 : race::collect(row, V, mul, add, cp[r], T, L, ip + r * max_candidates, max_candidates);
+    }
+  });
+  return {ids, counts};
+}
+
 int64_t max_tile_rows() {
   static const int64_t rows = __builtin_cpu_is("intel") ? 160 : std::numeric_limits<int64_t>::max();
   return rows;
@@ -3214,6 +3348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_decode_attention", &qkv_decode_attention, "rotary, cache write and decode attention from fused QKV");
   m.def("argmax_tiles", &argmax_tiles, "argmax_rows of x times column tiles, without storing the product");
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.argmax(-1); NaN is the maximum)");
+  m.def("race_candidates", &race_candidates, "ids that can win each row's exponential race, and their counts (-1: the whole row)");
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
   m.def("f16_built", &f16_built, "whether float16 caches and weight tiles beside float32 activations are compiled in");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");

@@ -59,8 +59,15 @@ def _logits(rng: random.Random, rows: int, vocab: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=g) * scale
 
 
-# (top_p search width, candidate limit) on CPU, and the CUDA way (no reads mid-call) on CPU
-MODES = {"cpu": (512, 1024), "cpu-narrow": (4, 8), "cuda-like": None}
+# (top_p search width, candidate limit, bounded-race candidate limit, compiled ops) on CPU, and
+# the CUDA way (no reads mid-call) on CPU. "cpu-narrow": most rows overflow the bounded race and
+# take the whole-row one; "cpu-torch": the path without the compiled ops.
+MODES: dict[str, tuple[int, int, int, bool] | None] = {
+    "cpu": (512, 1024, 256, True),
+    "cpu-narrow": (4, 8, 2, True),
+    "cpu-torch": (4, 8, 256, False),
+    "cuda-like": None,
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -74,7 +81,66 @@ def test_batched_equals_reference_on_a_seeded_grid(
     else:
         monkeypatch.setattr(sampling, "_TOP_P_SEARCH_FROM", widths[0])
         monkeypatch.setattr(sampling, "_MAX_CANDIDATES", widths[1])
+        monkeypatch.setattr(sampling, "_MAX_RACE_CANDIDATES", widths[2])
+        native = sampling.cpu_native.race_candidate_ids
+        calls: list[int] = []
+
+        def counted(*args: object) -> object:
+            calls.append(1)
+            return native(*args) if widths[3] else None  # type: ignore[arg-type]
+
+        monkeypatch.setattr(sampling.cpu_native, "race_candidate_ids", counted)
     _check_grid(random.Random(vocab * 7 + len(mode)), vocab, torch.device("cpu"))
+    if widths is not None:
+        assert calls  # the grid reached the bounded race (or its absence)
+
+
+def _compiled_race() -> bool:
+    return sampling.cpu_native.available() is None
+
+
+@pytest.mark.skipif(not _compiled_race(), reason="needs the compiled CPU ops")
+def test_bounded_race_equals_reference_over_a_full_vocabulary() -> None:
+    # the default model's vocabulary, temperature only (the whole row races), flat to peaked
+    vocab, rng = 49152, random.Random(11)
+    rows = [
+        SampleRow(SamplingParams(temperature=t, seed=rng.randrange(2**40)), [1], [], 0, ())
+        for t in [0.05, 0.3, 0.7, 0.8, 1.0, 1.0, 1.3, 2.0] * 4
+    ]
+    logits = torch.cat([_logits(rng, 8, vocab) for _ in range(4)])
+    logits[3, 7] = logits[3].max() + 40.0  # one id far ahead: its bound alone beats the rest
+    logits[5, :] = 2.5  # all tied
+    for call in range(3):
+        rows = [SampleRow(r.params, r.prompt_ids, [7] * call, 0, ()) for r in rows]
+        assert Sampler(1)(logits, rows)[0] == _reference(logits, rows, 1, 1)
+
+
+@pytest.mark.skipif(not _compiled_race(), reason="needs the compiled CPU ops")
+def test_bounded_race_leaves_few_candidates_and_whole_rows_where_it_must() -> None:
+    vocab, rng = 49152, random.Random(5)
+    x = _logits(rng, 6, vocab) / 0.8
+    x[4, 100] = float("nan")  # a NaN: the whole-row race (torch's argmax takes the NaN)
+    x[5, :] = -math.inf  # one finite id: the only candidate
+    x[5, 9] = 0.0
+    keys = [seeded_key(s, 0, 0) for s in range(6)]
+    mul = torch.tensor([[k[0]] for k in keys], dtype=torch.int32)
+    add = torch.tensor([[k[1]] for k in keys], dtype=torch.int32)
+    cut = torch.full((6,), -math.inf)
+    cut[1] = float(x[1].max()) - 1.0  # a cutoff: only ids at or above it
+    got = sampling.cpu_native.race_candidate_ids(x, mul, add, cut, sampling._log_e_edges(), 256)
+    assert got is not None
+    ids, counts = got
+    n = counts.tolist()
+    assert n[4] == -1 and n[5] == 1 and all(0 < c <= 64 for c in n[:4]), n
+    assert bool((x[1, ids[1, : n[1]]] >= cut[1]).all())
+    every_id = torch.arange(vocab, dtype=torch.int32)
+    for r in [0, 1, 2, 3, 5]:  # the whole row's winner is among the candidates
+        score = x[r] - sampling.log_exp_noise(mul[r : r + 1], add[r : r + 1], every_id)[0]
+        score[x[r] < cut[r]] = -math.inf
+        cand = ids[r, : n[r]].tolist()
+        assert cand == sorted(cand) and int(score.argmax()) in cand
+    rows = [SampleRow(SamplingParams(temperature=1.0, seed=s), [1], [], 0, ()) for s in range(6)]
+    assert Sampler(0)(x[4:6].clone(), rows[4:6])[0] == _reference(x[4:6], rows[4:6], 0, 1)
 
 
 @pytest.mark.gpu
