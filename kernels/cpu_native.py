@@ -244,6 +244,18 @@ def race_candidate_ids(
     return ids, counts
 
 
+def top_values(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Each row's largest values that its top_k / top_p cutoff reads, sorted descending and
+    -inf padded to one width (csrc top_values), or None where the compiled ops do not take x or
+    a row holds a NaN or an infinite maximum."""
+    if x.dtype is not torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu or x.shape[1] == 0:
+        return None
+    if available() is not None:
+        return None
+    vals: torch.Tensor = native_ops().top_values(x, top_k, top_p)
+    return vals if vals.numel() else None
+
+
 def argmax_tiles_take(dtype: torch.dtype, tiles: torch.Tensor) -> bool:
     """Whether argmax_tiles takes activations of `dtype` with these tiles (float16 tiles widen
     to float32 activations; the others take their own dtype), the compiled ops being there."""

@@ -559,7 +559,10 @@ def _truncation_cutoff(x: torch.Tensor, r: RandomRows, host_sync: bool) -> torch
     top_p keeps the sorted tokens whose mass before them (of the top_k-renormalised
     distribution) is below top_p, and always the first. Only the first K sorted values are
     needed when the boundary lies inside them; with host_sync (CPU) a top_p row without top_k
-    tries K = 512, 4096, ... before the full sort, on CUDA it sorts at once.
+    takes them from the compiled ops (csrc top_values: a histogram of the row's mass says how
+    many, a margin over it, and only those are sorted), or, without them, tries K = 512, 4096,
+    ... before the full sort; on CUDA it sorts at once. Either way the check below widens K
+    until the boundary lies inside.
     """
     assert r.top_k is not None and r.top_p is not None
     vocab = x.shape[1]
@@ -569,8 +572,15 @@ def _truncation_cutoff(x: torch.Tensor, r: RandomRows, host_sync: bool) -> torch
         width = max(width, _TOP_P_SEARCH_FROM if host_sync else vocab)
     width = min(vocab, max(width, 1))
     full_sum: torch.Tensor | None = None
+    # with the compiled ops, a top_p row's values down to its nucleus, sorted, in one go (-inf
+    # padded); rows with top_k alone: torch's topk of the largest k is as quick
+    native = cpu_native.top_values(x, k, top_p) if host_sync and r.any_full_k else None
     while True:
-        vals = x.topk(width, dim=-1).values if width < vocab else x.sort(dim=-1, descending=True).values
+        if native is not None:
+            vals, native = native, None
+            width = vals.shape[1]
+        else:
+            vals = x.topk(width, dim=-1).values if width < vocab else x.sort(dim=-1, descending=True).values
         if not r.any_top_p:
             return vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
         rank = torch.arange(width, device=x.device)

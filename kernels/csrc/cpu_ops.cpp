@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -3022,6 +3023,138 @@ std::vector<torch::Tensor> race_candidates(torch::Tensor x, torch::Tensor key_mu
   return {ids, counts};
 }
 
+// The sorted top values a top_k / top_p cutoff reads (workers/sampling.py _truncation_cutoff),
+// without sorting the row: per row of x [T, V], its largest c values, descending, where c = top_k
+// when top_k < V (the renormalising mass is the top k's), else one more than the values that a
+// histogram of the row says hold top_p of its mass, plus a margin of 1e-4 of it (far above the
+// float32 sums' error), so the exact cumulative sum over them crosses top_p before the last.
+// Histogram: buckets 1/64 of a logit wide below the row's max, masses by fast_exp summed in
+// double, read from the top; values over 24 below the max are left out (together at most
+// vocab x e^-24 of the max's own mass: 1e-5 at 256k ids), and four histograms take alternate
+// values, so repeated buckets do not wait on one another. Only the buckets read are sorted.
+// Returns [T, max c] padded with -inf (masses 0), or an empty tensor where a row holds a NaN or
+// an infinite max (the torch path takes those).
+namespace nucleus {
+constexpr int32_t kBuckets = 24 * 64, kCopies = 4;
+constexpr float kPerUnit = 64.f, kSpan = 24.f;
+constexpr double kMargin = 1e-4;
+
+// One row's values in descending order down to the bucket where `k` values (k < V) or top_p of
+// the mass (k >= V) are reached, plus, by mass, the next value; false for a NaN or infinite max.
+struct Row {
+  std::vector<int32_t> b;
+  std::vector<float> e;
+  std::vector<int64_t> count = std::vector<int64_t>(kBuckets * kCopies);
+  std::vector<double> mass = std::vector<double>(kBuckets * kCopies);
+
+  bool top(const float* row, int64_t V, int64_t k, float top_p, std::vector<float>& out) {
+    b.resize(static_cast<size_t>(V));
+    e.resize(static_cast<size_t>(V));
+    float m = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 best = _mm512_set1_ps(m);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best = _mm512_max_ps(best, v);
+    }
+    m = _mm512_reduce_max_ps(best);
+    nan = unordered != 0;
+#endif
+    for (; i < V; ++i) {
+      nan |= row[i] != row[i];
+      m = std::max(m, row[i]);
+    }
+    if (nan || !std::isfinite(m)) return false;
+#pragma omp simd
+    for (i = 0; i < V; ++i) {
+      const float d = std::min(m - row[i], kSpan);  // in [0, kSpan]; -inf's too
+      b[i] = d < kSpan ? static_cast<int32_t>(d * kPerUnit) : kBuckets;
+      e[i] = fast_exp(-d);  // read only where b < kBuckets
+    }
+    std::fill(count.begin(), count.end(), 0);
+    std::fill(mass.begin(), mass.end(), 0.0);
+    for (i = 0; i + kCopies <= V; i += kCopies)
+      for (int32_t c = 0; c < kCopies; ++c) {
+        const int32_t at = b[i + c];
+        if (at < kBuckets) {
+          ++count[c * kBuckets + at];
+          mass[c * kBuckets + at] += e[i + c];
+        }
+      }
+    for (; i < V; ++i)
+      if (b[i] < kBuckets) ++count[b[i]], mass[b[i]] += e[i];
+    const bool by_mass = k >= V;
+    double total = 0.0;
+    for (double v : mass) total += v;
+    const double target = static_cast<double>(top_p) * total * (1.0 + kMargin);
+    int32_t last = kBuckets;  // not reached within the span: every value
+    int64_t taken = 0;
+    double acc = 0.0;
+    for (int32_t j = 0; j < kBuckets && last == kBuckets; ++j) {
+      for (int32_t c = 0; c < kCopies; ++c) {
+        taken += count[c * kBuckets + j];
+        acc += mass[c * kBuckets + j];
+      }
+      if (by_mass ? acc >= target : taken >= k) last = j;
+    }
+    if (last == kBuckets) taken = V;
+    out.resize(static_cast<size_t>(taken + 16));  // slack: the stores below write past the count
+    float rest = -std::numeric_limits<float>::infinity();  // the largest value not taken
+    int64_t j = 0, n = 0;
+#ifdef __AVX512F__
+    for (const __m512i lv = _mm512_set1_epi32(last); j + 16 <= V; j += 16) {
+      const __mmask16 in = _mm512_cmple_epi32_mask(_mm512_loadu_si512(b.data() + j), lv);
+      // compress in a register, store all 16 (the slack below): Zen 4's compress-to-memory is slow
+      _mm512_storeu_ps(out.data() + n, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(row + j)));
+      n += __builtin_popcount(in);
+    }
+#endif
+    for (; j < V; ++j) {
+      out[static_cast<size_t>(n)] = row[j];
+      n += b[j] <= last;
+    }
+#pragma omp simd reduction(max : rest)
+    for (int64_t j = 0; j < V; ++j) rest = std::max(rest, b[j] > last ? row[j] : -std::numeric_limits<float>::infinity());
+    out.resize(static_cast<size_t>(taken));
+    std::sort(out.begin(), out.end(), std::greater<float>());
+    if (!by_mass)
+      out.resize(static_cast<size_t>(k));
+    else if (static_cast<int64_t>(out.size()) < V)
+      out.push_back(rest);
+    return true;
+  }
+};
+}  // namespace nucleus
+
+torch::Tensor top_values(torch::Tensor x, torch::Tensor top_k, torch::Tensor top_p) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "top_values: float32 [rows, vocab] with contiguous rows");
+  const int64_t T = x.size(0), V = x.size(1);
+  auto kk = top_k.reshape({-1}).to(torch::kInt64).contiguous();
+  auto pp = top_p.reshape({-1}).to(torch::kFloat32).contiguous();
+  TORCH_CHECK(kk.numel() == T && pp.numel() == T && V > 0, "top_values: one top_k and one top_p per row");
+  const float *xp = x.data_ptr<float>(), *ppp = pp.data_ptr<float>();
+  const int64_t *kp = kk.data_ptr<int64_t>(), ls = x.stride(0);
+  std::vector<std::vector<float>> rows(static_cast<size_t>(T));
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
+    nucleus::Row h;
+    for (int64_t r = r0; r < r1 && !bad.load(std::memory_order_relaxed); ++r)
+      if (!h.top(xp + r * ls, V, std::min(kp[r], V), ppp[r], rows[static_cast<size_t>(r)])) bad = true;
+  });
+  if (bad) return torch::empty({0, 0}, x.options());
+  size_t width = 1;
+  for (const auto& v : rows) width = std::max(width, v.size());
+  auto vals = torch::full({T, static_cast<int64_t>(width)}, -std::numeric_limits<float>::infinity(), x.options());
+  float* vp = vals.data_ptr<float>();
+  for (int64_t r = 0; r < T; ++r) std::copy(rows[r].begin(), rows[r].end(), vp + r * static_cast<int64_t>(width));
+  return vals;
+}
+
 int64_t max_tile_rows() {
   static const int64_t rows = __builtin_cpu_is("intel") ? 160 : std::numeric_limits<int64_t>::max();
   return rows;
@@ -3349,6 +3482,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_tiles", &argmax_tiles, "argmax_rows of x times column tiles, without storing the product");
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.argmax(-1); NaN is the maximum)");
   m.def("race_candidates", &race_candidates, "ids that can win each row's exponential race, and their counts (-1: the whole row)");
+  m.def("top_values", &top_values, "each row's top values for a top_k / top_p cutoff, sorted, -inf padded (empty: torch's path)");
   m.def("max_tile_rows", &max_tile_rows, "float32 rows above which the tiles go to MKL's batched GEMM");
   m.def("f16_built", &f16_built, "whether float16 caches and weight tiles beside float32 activations are compiled in");
   m.def("tiles_matmul_address", &tiles_matmul_address, "address of the column-tile matmul, for DecodeStack");

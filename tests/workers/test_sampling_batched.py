@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,23 +77,28 @@ def test_batched_equals_reference_on_a_seeded_grid(
     vocab: int, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     widths = MODES[mode]
+    calls: list[str] = []
     if widths is None:
         monkeypatch.setattr(sampling, "_SYNC_FREE_DEVICES", frozenset())
     else:
         monkeypatch.setattr(sampling, "_TOP_P_SEARCH_FROM", widths[0])
         monkeypatch.setattr(sampling, "_MAX_CANDIDATES", widths[1])
         monkeypatch.setattr(sampling, "_MAX_RACE_CANDIDATES", widths[2])
-        native = sampling.cpu_native.race_candidate_ids
-        calls: list[int] = []
-
-        def counted(*args: object) -> object:
-            calls.append(1)
-            return native(*args) if widths[3] else None  # type: ignore[arg-type]
-
-        monkeypatch.setattr(sampling.cpu_native, "race_candidate_ids", counted)
+        for name in ("race_candidate_ids", "top_values"):
+            monkeypatch.setattr(sampling.cpu_native, name, _counted(calls, name, widths[3]))
     _check_grid(random.Random(vocab * 7 + len(mode)), vocab, torch.device("cpu"))
-    if widths is not None:
-        assert calls  # the grid reached the bounded race (or its absence)
+    if widths is not None:  # the grid reached the compiled ops (or their absence)
+        assert set(calls) == {"race_candidate_ids", "top_values"}
+
+
+def _counted(calls: list[str], name: str, compiled: bool) -> Callable[..., object]:
+    native = getattr(sampling.cpu_native, name)
+
+    def call(*args: object) -> object:
+        calls.append(name)
+        return native(*args) if compiled else None
+
+    return call
 
 
 def _compiled_race() -> bool:
@@ -113,6 +119,58 @@ def test_bounded_race_equals_reference_over_a_full_vocabulary() -> None:
     for call in range(3):
         rows = [SampleRow(r.params, r.prompt_ids, [7] * call, 0, ()) for r in rows]
         assert Sampler(1)(logits, rows)[0] == _reference(logits, rows, 1, 1)
+
+
+@pytest.mark.skipif(not _compiled_race(), reason="needs the compiled CPU ops")
+def test_top_p_over_a_full_vocabulary_equals_reference() -> None:
+    # csrc top_values sorts each row down to its nucleus only; the cutoffs must be the spec's
+    vocab, rng = 49152, random.Random(13)
+    knobs = [
+        {"top_p": 0.95},
+        {"top_p": 0.9, "temperature": 1.3},
+        {"top_p": 0.5},
+        {"top_p": 0.999},
+        {"top_p": 1e-6},
+        {"top_k": 40, "top_p": 0.9},
+        {"top_k": 3},
+        {"top_p": 0.95, "min_p": 0.05},
+    ]
+    rows = [
+        SampleRow(
+            SamplingParams(**({"temperature": 0.8, "seed": rng.randrange(2**40)} | knob)), [1], [], 0, ()
+        )  # type: ignore[arg-type]
+        for knob in knobs * 3
+    ]
+    logits = torch.cat([_logits(rng, len(knobs), vocab) for _ in range(3)])
+    logits[2, : vocab // 2] = -math.inf  # half the ids masked (a grammar, min_tokens)
+    logits[9, :] = 1.0  # all tied: the nucleus is 95% of the ids
+    logits[10, 5] = logits[10].max() + 30.0  # one id holds nearly all the mass
+    assert Sampler(2)(logits, rows)[0] == _reference(logits, rows, 2, 1)
+
+
+@pytest.mark.skipif(not _compiled_race(), reason="needs the compiled CPU ops")
+def test_top_values_are_the_sorted_top_down_past_the_nucleus() -> None:
+    vocab, rng = 49152, random.Random(3)
+    x = torch.cat([_logits(rng, 1, vocab) for _ in range(4)]) / 0.8
+    x[3, 100:] = -math.inf
+    top_k = torch.tensor([vocab, vocab, 7, vocab])
+    top_p = torch.tensor([0.9, 1e-6, 1.0, 0.99])
+    vals = sampling.cpu_native.top_values(x, top_k, top_p)
+    assert vals is not None
+    ref = x.sort(dim=-1, descending=True).values
+    for r in range(4):
+        row = vals[r][vals[r] > -math.inf]
+        assert torch.equal(row, ref[r, : row.numel()])
+        if int(top_k[r]) < vocab:
+            assert row.numel() == int(top_k[r])
+        else:  # the top len - 1 values already hold top_p of the mass
+            mass = (ref[r] - ref[r, 0]).exp()
+            assert float(mass[: row.numel() - 1].sum()) >= float(top_p[r]) * float(mass.sum())
+    assert vals.shape[1] < vocab // 2
+    x[1, 7] = float("nan")
+    assert sampling.cpu_native.top_values(x, top_k, top_p) is None
+    x[1, 7] = math.inf
+    assert sampling.cpu_native.top_values(x, top_k, top_p) is None
 
 
 @pytest.mark.skipif(not _compiled_race(), reason="needs the compiled CPU ops")
