@@ -1,14 +1,16 @@
 """This checkout against another commit of the project, the whole engine, side by side.
 
     python -m bench.tree_ab --base fce8d6b [--rounds 16] [--requests 1] [--output-len 128]
+        [--temperature 0.8 --top-p 0.95 --top-k 0]
 
 The base commit goes into a git worktree under a temporary directory; each side runs in a
 process of its own (`LLM.generate`, bf16 where the CPU has AVX-512 BF16, else float32) that
 builds its engine once, then generates `--requests` prompts of 32 tokens x `--output-len` new
 ones whenever told to, so the two sides' rounds interleave (the order alternates) and share the
 machine's drift; the side not running waits on a pipe, idle. Each side compiles its own CPU
-kernels (the build's name follows its source). Prints one JSON object: each side's median output
-tok/s (prefill included), new / base paired by round, and whether the first tokens match.
+kernels (the build's name follows its source). Greedy unless `--temperature` (then seeded, so
+both sides must draw the same tokens). Prints one JSON object: each side's median output tok/s
+(prefill included), new / base paired by round, and whether the first request's tokens match.
 `bench/step_ab.py` resolves smaller changes of the step path, where this one's rounds spread
 by several percent.
 """
@@ -43,7 +45,7 @@ def package_view(tree: Path, into: Path) -> Path:
     return into
 
 
-def worker(view: str, requests: int, output_len: int, dtype: str) -> None:
+def worker(view: str, requests: int, output_len: int, dtype: str, sampling: dict[str, Any]) -> None:
     """One side: import pagebus from `view`, build the engine, run a round per line on stdin."""
     sys.meta_path[:] = [
         f for f in sys.meta_path if "Editable" not in getattr(f, "__name__", type(f).__name__)
@@ -53,7 +55,7 @@ def worker(view: str, requests: int, output_len: int, dtype: str) -> None:
 
     assert pagebus.__file__ is not None and pagebus.__file__.startswith(view), pagebus.__file__
     llm = pagebus.LLM(dtype=dtype)
-    params = pagebus.SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    params = pagebus.SamplingParams(max_tokens=output_len, ignore_eos=True, seed=0, **sampling)
     prompts = [[1000 + 37 * i + j for j in range(32)] for i in range(requests)]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     print("ready", flush=True)
@@ -68,6 +70,14 @@ class Side:
     def __init__(self, view: Path, args: argparse.Namespace, dtype: str) -> None:
         cmd = [sys.executable, "-m", "bench.tree_ab", "--worker", str(view)]
         cmd += ["--requests", str(args.requests), "--output-len", str(args.output_len), "--dtype", dtype]
+        cmd += [
+            "--temperature",
+            str(args.temperature),
+            "--top-p",
+            str(args.top_p),
+            "--top-k",
+            str(args.top_k),
+        ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
@@ -92,11 +102,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.requests, args.output_len, args.dtype)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        worker(args.worker, args.requests, args.output_len, args.dtype, sampling)
         return
     if not args.base:
         ap.error("--base: the commit to compare with")
@@ -137,6 +151,12 @@ def main() -> None:
             "dtype": dtype,
             "requests": args.requests,
             "output_len": args.output_len,
+            "sampling": {
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "seed": 0,
+            },
             "rounds": args.rounds,
             "base_tps_median": round(statistics.median(tps["base"]), 2),
             "new_tps_median": round(statistics.median(tps["new"]), 2),
