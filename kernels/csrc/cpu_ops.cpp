@@ -2984,7 +2984,8 @@ int64_t collect(const float* row, int64_t V, uint32_t mul, uint32_t add, float c
 #endif
   for (; i < V; ++i) {
     const float xi = row[i];
-    if (!(xi >= cut) || xi - T[(noise_hash(static_cast<uint32_t>(i), mul, add) >> 20) + 1] + margin(xi) < L) continue;
+    // written so a NaN bound (x = -inf: -inf + inf) fails, as the vector compare does
+    if (!(xi >= cut && xi - T[(noise_hash(static_cast<uint32_t>(i), mul, add) >> 20) + 1] + margin(xi) >= L)) continue;
     if (n == cap) return -1;
     out[n++] = i;
   }
@@ -3118,7 +3119,7 @@ struct Row {
       n += b[j] <= last;
     }
 #pragma omp simd reduction(max : rest)
-    for (int64_t j = 0; j < V; ++j) rest = std::max(rest, b[j] > last ? row[j] : -std::numeric_limits<float>::infinity());
+    for (i = 0; i < V; ++i) rest = std::max(rest, b[i] > last ? row[i] : -std::numeric_limits<float>::infinity());
     out.resize(static_cast<size_t>(taken));
     std::sort(out.begin(), out.end(), std::greater<float>());
     if (!by_mass)
