@@ -183,11 +183,20 @@ def using_build(module: Any) -> Iterator[None]:
 
 
 def available() -> str | None:
-    """None when the compiled ops load, else why not (for the fallback's warning)."""
+    """None when the compiled ops load, else why not (for the fallback's warning). Asked per
+    call by ops that fall back on their own (a step's argmax, the sampler's race), so a failed
+    build is remembered for the process rather than tried again at every step."""
     if os.environ.get("PAGEBUS_CPU_KERNELS", "1") == "0":
         return "PAGEBUS_CPU_KERNELS=0"
+    if _active_build is not None:
+        return None
+    return _default_build_failure()
+
+
+@functools.cache
+def _default_build_failure() -> str | None:
     try:
-        native_ops()
+        _default_build()
     except Exception as e:  # any build failure means: run the torch backend
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None

@@ -371,6 +371,26 @@ def test_backend_falls_back_to_torch_when_not_built(monkeypatch, caplog) -> None
     assert select_ops("auto", torch.device("cpu")).name == "cpu"
 
 
+def test_a_failed_build_is_tried_once_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the argmax and the sampler ask available() per call and fall back on their own: a machine
+    # whose build fails must not rebuild at every step
+    tries: list[int] = []
+
+    def failing() -> None:
+        tries.append(1)
+        raise RuntimeError("Error building extension 'pagebus_cpu_ops'")
+
+    native._default_build_failure.cache_clear()
+    monkeypatch.setattr(native, "_default_build", failing)
+    try:
+        for _ in range(3):
+            assert native.available() == "RuntimeError: Error building extension 'pagebus_cpu_ops'"
+        assert native.argmax_rows(torch.zeros(2, 8)) is None
+        assert len(tries) == 1
+    finally:
+        native._default_build_failure.cache_clear()
+
+
 def test_a_killed_builds_lock_is_cleared_and_a_live_build_waited_for(monkeypatch, tmp_path, caplog) -> None:
     """torch's loader waits forever on a lock file: one a killed build left must not hang the
     next start (even at once), and a build another process runs must be waited for, its lock kept."""
